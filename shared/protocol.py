@@ -1,0 +1,231 @@
+"""Client <-> gateway messages (WebSocket), protocol version 1.
+
+Text frames carry JSON; when the client negotiates the `llm-stream.msgpack` subprotocol, binary
+frames carry msgpack of the very same objects. See docs/protocol.md for the client author's view.
+
+`parse_client_message` turns one frame into a typed message or raises `ProtocolError` with a
+code the client can act on; it never raises anything else, so one bad frame cannot take down
+the socket's other requests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from shared.errors import ErrorCode, ProtocolError
+
+PROTOCOL_VERSION = 1
+JSON_SUBPROTOCOL = "llm-stream.json"
+MSGPACK_SUBPROTOCOL = "llm-stream.msgpack"
+SUBPROTOCOLS = (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL)
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+Priority = Literal["interactive", "batch"]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = 1
+
+
+def _check_id(value: str) -> str:
+    if not ID_PATTERN.match(value):
+        raise ValueError("id must be 1-64 characters of letters, digits, '_', '.', ':' or '-'")
+    return value
+
+
+# ---------------------------------------------------------------- client -> gateway
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Generate(_Msg):
+    type: Literal["generate"] = "generate"
+    id: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1000)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
+    priority: Priority = "interactive"
+
+    _id = field_validator("id")(_check_id)
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("must be a finite number")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "Generate":
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of 'messages' or 'prompt'")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' must not be empty")
+        return self
+
+    def prompt_chars(self) -> int:
+        if self.prompt is not None:
+            return len(self.prompt)
+        return sum(len(m.content) for m in self.messages or ())
+
+
+class Cancel(_Msg):
+    type: Literal["cancel"] = "cancel"
+    id: str
+    _id = field_validator("id")(_check_id)
+
+
+class Resume(_Msg):
+    """Re-attach to a request after a reconnect: everything after `last_seq` is sent again."""
+    type: Literal["resume"] = "resume"
+    id: str
+    last_seq: int = Field(0, ge=0)
+    request_id: str | None = Field(None, max_length=128, description="the server id from `accepted`, if known")
+    _id = field_validator("id")(_check_id)
+
+
+class Ping(_Msg):
+    type: Literal["ping"] = "ping"
+    nonce: str | int | None = None
+
+
+class Auth(_Msg):
+    """First message for clients that cannot set an Authorization header (browsers)."""
+    type: Literal["auth"] = "auth"
+    api_key: str = Field(min_length=1, max_length=256)
+
+
+ClientMessage = Annotated[Union[Generate, Cancel, Resume, Ping, Auth], Field(discriminator="type")]
+_client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
+CLIENT_TYPES = ("generate", "cancel", "resume", "ping", "auth")
+
+
+# ---------------------------------------------------------------- gateway -> client
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+
+
+class Accepted(_Msg):
+    type: Literal["accepted"] = "accepted"
+    id: str
+    request_id: str
+
+
+class Chunk(_Msg):
+    """`seq` is the number of token events delivered so far for this request, including this
+    chunk's. It is the same on every gateway replica, so it is what `resume` counts from."""
+    type: Literal["chunk"] = "chunk"
+    id: str
+    seq: int
+    text: str
+    tokens: int
+
+
+class Done(_Msg):
+    type: Literal["done"] = "done"
+    id: str
+    seq: int
+    finish_reason: FinishReason
+    usage: Usage
+    error: dict[str, Any] | None = None
+
+
+class Error(_Msg):
+    type: Literal["error"] = "error"
+    id: str | None = None
+    code: ErrorCode
+    message: str
+    retryable: bool = False
+
+
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    ts: float
+
+
+class Pong(_Msg):
+    type: Literal["pong"] = "pong"
+    nonce: str | int | None = None
+    ts: float
+
+
+ServerMessage = Annotated[Union[Accepted, Chunk, Done, Error, Heartbeat, Pong], Field(discriminator="type")]
+_server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
+
+
+# ---------------------------------------------------------------- codecs
+
+def decode_frame(frame: str | bytes, *, max_bytes: int) -> dict:
+    """Bytes/str of one frame -> dict. Text frames are JSON; binary frames are msgpack."""
+    size = len(frame.encode() if isinstance(frame, str) else frame)
+    if size > max_bytes:
+        raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = json.loads(frame) if isinstance(frame, str) else msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, UnicodeDecodeError) as exc:
+        kind = "JSON" if isinstance(frame, str) else "msgpack"
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame is not valid {kind}: {exc}") from None
+    except Exception as exc:  # msgpack raises a handful of other types on hostile input
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame could not be decoded: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "frame must be an object")
+    return obj
+
+
+def parse_client_message(obj: dict) -> Generate | Cancel | Resume | Ping | Auth:
+    """Validate a decoded frame. Raises ProtocolError with the most specific code it can."""
+    rid = obj.get("id") if isinstance(obj.get("id"), str) else None
+    if "v" in obj and obj["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {obj['v']!r} is not supported; use 1", rid)
+    kind = obj.get("type")
+    if kind not in CLIENT_TYPES:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of {', '.join(CLIENT_TYPES)}", rid)
+    if kind in ("generate", "cancel", "resume") and "id" not in obj:
+        raise ProtocolError(ErrorCode.MISSING_ID, f"'{kind}' needs an 'id'")
+    try:
+        return _client_adapter.validate_python(obj)
+    except ValidationError as exc:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, _describe(exc), rid) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"][1:]) or "message"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def encode_server(msg: BaseModel, *, binary: bool) -> str | bytes:
+    data = msg.model_dump(mode="json", exclude_none=True)
+    return msgpack.packb(data, use_bin_type=True) if binary else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def parse_server_message(obj: dict):
+    """Used by clients (tests, bench, SDKs) to type what the server sent."""
+    return _server_adapter.validate_python(obj)
+
+
+def error_message(exc: ProtocolError) -> Error:
+    return Error(id=exc.request_id, code=exc.code, message=exc.message, retryable=exc.retryable)

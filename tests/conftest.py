@@ -1,0 +1,37 @@
+"""Shared fixtures: a real redis-server per test session on a free port (never fakeredis)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.localredis import LocalRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = LocalRedis(appendonly=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def stream_prefix() -> str:
+    """A fresh key prefix per test so tests sharing the session's server never see each other's keys."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def redis_client(redis_server):
+    client = aioredis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path of a tiny random-weight model (real SmolLM2 tokenizer); set MODEL_PATH to it for workers."""
+    from tests.tiny_model import make_tiny_model_dir
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))

@@ -1,0 +1,135 @@
+"""Round-trip and validation of every message type on both hops."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from shared.errors import ErrorCode, ProtocolError
+from shared.protocol import (
+    Accepted, Chunk, Done, Error, Heartbeat, Pong, Usage, decode_frame, encode_server,
+    parse_client_message, parse_server_message,
+)
+from shared.streams import Keys, RequestEntry, SamplingParams, decode_event, encode_event
+
+CLIENT_MESSAGES = [
+    {"type": "generate", "id": "r1", "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "seed": 3, "stop": ["\n"]},
+    {"type": "generate", "id": "r2", "messages": [{"role": "user", "content": "hello"}], "priority": "batch", "top_k": 5, "top_p": 0.9},
+    {"type": "cancel", "id": "r1"},
+    {"type": "resume", "id": "r1", "last_seq": 7, "request_id": "abc"},
+    {"type": "ping", "nonce": 42},
+    {"type": "auth", "api_key": "sk-test"},
+]
+
+
+@pytest.mark.parametrize("obj", CLIENT_MESSAGES, ids=lambda o: o["type"])
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_client_messages_round_trip(obj, binary):
+    frame = msgpack.packb(obj) if binary else json.dumps(obj)
+    msg = parse_client_message(decode_frame(frame, max_bytes=10_000))
+    assert msg.type == obj["type"]
+    dumped = msg.model_dump(exclude_none=True)
+    for k, value in obj.items():
+        got = dumped[k]
+        assert got == value, (k, got, value)
+
+
+SERVER_MESSAGES = [
+    Accepted(id="r1", request_id="x1"),
+    Chunk(id="r1", seq=3, text="héllo ✓", tokens=3),
+    Done(id="r1", seq=9, finish_reason="length", usage=Usage(prompt_tokens=4, completion_tokens=9, ttft_ms=12.5, total_ms=80.0)),
+    Error(id="r1", code=ErrorCode.DUPLICATE_ID, message="dup", retryable=False),
+    Error(code=ErrorCode.BAD_FRAME, message="socket-level"),
+    Heartbeat(ts=1.5),
+    Pong(nonce="n", ts=2.0),
+]
+
+
+@pytest.mark.parametrize("msg", SERVER_MESSAGES, ids=lambda m: m.type)
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_server_messages_round_trip(msg, binary):
+    frame = encode_server(msg, binary=binary)
+    assert isinstance(frame, bytes if binary else str)
+    back = parse_server_message(decode_frame(frame, max_bytes=10_000))
+    assert back == msg
+
+
+@pytest.mark.parametrize(
+    "obj, code",
+    [
+        ({"type": "nope"}, ErrorCode.UNKNOWN_TYPE),
+        ({"id": "x"}, ErrorCode.UNKNOWN_TYPE),
+        ({"type": "generate", "prompt": "x"}, ErrorCode.MISSING_ID),
+        ({"type": "cancel"}, ErrorCode.MISSING_ID),
+        ({"type": "generate", "id": "bad id!", "prompt": "x"}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a"}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "temperature": -1}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "temperature": "hot"}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "top_p": 0}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "max_tokens": 0}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "stop": [""]}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "surprise": 1}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "messages": [{"role": "wizard", "content": "y"}]}, ErrorCode.INVALID_REQUEST),
+        ({"type": "resume", "id": "a", "last_seq": -1}, ErrorCode.INVALID_REQUEST),
+        ({"type": "ping", "v": 2}, ErrorCode.UNSUPPORTED_VERSION),
+    ],
+)
+def test_validation_errors_are_typed(obj, code):
+    with pytest.raises(ProtocolError) as info:
+        parse_client_message(obj)
+    assert info.value.code == code
+    assert info.value.message
+
+
+def test_error_names_the_request_it_concerns():
+    with pytest.raises(ProtocolError) as info:
+        parse_client_message({"type": "generate", "id": "abc", "prompt": "x", "top_k": -3})
+    assert info.value.request_id == "abc"
+    assert "top_k" in info.value.message
+
+
+@pytest.mark.parametrize("frame", ["{not json", "[1,2]", "42", b"\xc1\xff", msgpack.packb([1, 2])])
+def test_bad_frames(frame):
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(frame, max_bytes=1000)
+    assert info.value.code == ErrorCode.BAD_FRAME
+
+
+def test_oversize_frame():
+    with pytest.raises(ProtocolError) as info:
+        decode_frame("x" * 2000, max_bytes=1000)
+    assert info.value.code == ErrorCode.FRAME_TOO_LARGE
+
+
+def test_request_entry_round_trip():
+    entry = RequestEntry(rid="r-1", params=SamplingParams(max_tokens=5, temperature=0.0, stop=["."]),
+                         messages=[{"role": "user", "content": "hi"}], priority="batch", created_ms=5, key_id="k")
+    assert RequestEntry.decode(entry.encode()) == entry
+    assert entry.params.deterministic
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1",
+        msgpack.packb([1]),
+        msgpack.packb({"v": 9, "rid": "a"}),
+        msgpack.packb({"v": 1, "rid": "a", "params": {"max_tokens": 0}, "prompt": "x"}),
+        msgpack.packb({"v": 1, "rid": "a", "params": {}, "prompt": "x", "messages": []}),
+        msgpack.packb({"v": 1, "rid": "a", "params": {"bogus": 1}, "prompt": "x"}),
+        msgpack.packb({"v": 1, "rid": "", "params": {}, "prompt": "x"}),
+    ],
+)
+def test_malformed_request_entries_raise_value_error(raw):
+    with pytest.raises(ValueError):
+        RequestEntry.decode(raw)
+
+
+def test_out_events_round_trip():
+    raw = encode_event("tok", 3, text="ab", n=2)
+    assert decode_event(raw) == {"v": 1, "k": "tok", "seq": 3, "text": "ab", "n": 2}
+    keys = Keys("p")
+    assert keys.out("r") == "p:out:r" and keys.ctl("w") == "p:ctl:w" and keys.requests == "p:requests"

@@ -1,0 +1,34 @@
+"""A tiny random-weight Llama with SmolLM2's real tokenizer, for fast tests.
+
+The tokenizer is read from the SmolLM2 GGUF once and saved next to a 2-layer random model, so
+every test process loads the directory in well under a second. Output text is gibberish but
+deterministic for greedy/seeded sampling, which is all the plumbing tests need.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from worker.model_files import SMOLLM2_GGUF, smollm2_dir
+
+
+def make_tiny_model_dir(path: str | os.PathLike, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    path = Path(path)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+    tok.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
