@@ -1,0 +1,91 @@
+"""Starlette application: `/v1/stream` WebSocket, health/readiness, metrics, the browser page."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from gateway.auth import bearer_token
+from gateway.connection import CLOSE_POLICY, CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, Connection
+from gateway.hub import Hub
+from gateway.settings import GatewaySettings
+from shared.errors import ErrorCode, ProtocolError
+from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, encode_server, error_message
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+async def stream(ws: WebSocket) -> None:
+    hub: Hub = ws.app.state.hub
+    offered = ws.scope.get("subprotocols") or []
+    subprotocol = next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
+    binary = subprotocol == MSGPACK_SUBPROTOCOL
+    await ws.accept(subprotocol=subprotocol)
+    try:
+        if hub.draining:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, SHUTDOWN_REASON)
+        hub.origins.check(ws.headers.get("origin"), ws.headers.get("host"))
+        presented = bearer_token(ws.headers.get("authorization")) or ws.query_params.get("api_key")
+        # no key in the handshake: a browser may still send {type: "auth"} as its first message
+        key_id = hub.key_checker.identify(presented) if presented or not hub.key_checker.required else None
+    except ProtocolError as exc:
+        hub.metrics.rejections.labels(exc.code.value).inc()
+        payload = encode_server(error_message(exc), binary=binary)
+        await (ws.send_bytes(payload) if binary else ws.send_text(payload))
+        code = CLOSE_SERVICE_RESTART if exc.code == ErrorCode.SHUTTING_DOWN else CLOSE_POLICY
+        await ws.close(code=code, reason=exc.code.value)
+        return
+    await Connection(hub, ws, binary=binary, key_id=key_id).run()
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    hub: Hub = request.app.state.hub
+    ok = await hub.ready()
+    return JSONResponse({"ready": ok, "draining": hub.draining}, status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    hub: Hub = request.app.state.hub
+    return Response(hub.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def index(request: Request) -> Response:
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+def create_app(settings: GatewaySettings | None = None) -> Starlette:
+    settings = settings or GatewaySettings()
+    hub = Hub(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await hub.start()
+        try:
+            yield
+        finally:
+            await hub.stop()
+
+    app = Starlette(
+        routes=[
+            WebSocketRoute("/v1/stream", stream),
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Route("/metrics", metrics),
+            Route("/", index),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.hub = hub
+    return app

@@ -1,0 +1,29 @@
+"""Prometheus metrics of one gateway process (own registry, so several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.active_sockets = Gauge("gateway_active_sockets", "open WebSocket connections", registry=r)
+        self.active_requests = Gauge("gateway_active_requests", "requests streaming on this replica", registry=r)
+        self.requests = Counter("gateway_requests", "finished requests by outcome", ["outcome"], registry=r)
+        self.rejections = Counter("gateway_rejections", "messages rejected by error code", ["code"], registry=r)
+        self.ttft = Histogram("gateway_ttft_seconds", "accepted -> first chunk sent", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.inter_chunk = Histogram("gateway_inter_chunk_seconds", "gap between chunks of one request",
+                                     buckets=GAP_BUCKETS, registry=r)
+        self.flushes = Counter("gateway_flushes", "chunk frames sent (rate() = flushes per second)", registry=r)
+        self.tokens = Counter("gateway_tokens_sent", "output tokens sent to clients", registry=r)
+        self.frames = Counter("gateway_frames_sent", "all frames sent", registry=r)
+        self.slow_consumers = Counter("gateway_slow_consumer_closes", "sockets closed for not reading", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

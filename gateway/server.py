@@ -1,0 +1,53 @@
+"""uvicorn wiring: WebSocket ping/timeout from settings, and a drain before uvicorn's own shutdown.
+
+uvicorn's shutdown closes every WebSocket with 1012 at once and gives the application no say;
+`GatewayServer.shutdown` first stops listening, then lets the hub send each client a typed
+SHUTTING_DOWN error and a close reason telling it to reconnect and `resume`, and only then
+hands over to uvicorn.
+"""
+
+from __future__ import annotations
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+
+
+def build_config(settings: GatewaySettings, app=None, *, port: int | None = None) -> uvicorn.Config:
+    return uvicorn.Config(
+        app or create_app(settings),
+        host=settings.gateway_host,
+        port=settings.gateway_port if port is None else port,
+        ws="websockets-sansio",
+        ws_max_size=settings.ws_max_size_bytes,
+        # protocol-level pings: browsers answer them without any JS, so they detect dead clients
+        ws_ping_interval=settings.heartbeat_s if settings.heartbeat_s > 0 else None,
+        ws_ping_timeout=settings.ping_timeout_s if settings.ping_timeout_s > 0 else None,
+        lifespan="on",
+        log_level="warning",
+        timeout_graceful_shutdown=10,
+    )
+
+
+class GatewayServer(uvicorn.Server):
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()
+        app = self.config.loaded_app
+        hub = _find_hub(app)
+        if hub is not None:
+            await hub.drain()
+        await super().shutdown(sockets)
+
+
+def _find_hub(app):
+    # uvicorn wraps the app in middleware proxies; follow `.app` down to the Starlette instance
+    for _ in range(8):
+        state = getattr(app, "state", None)
+        if state is not None and hasattr(state, "hub"):
+            return state.hub
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None

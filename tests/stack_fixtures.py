@@ -1,0 +1,204 @@
+"""Reusable process fixtures: start a worker or gateway (subprocess or in-process) and wait for it.
+
+Used by the gateway, worker, topology and bench code so that every test drives the real
+processes the same way. Each helper returns something that stops cleanly and never leaves a
+child behind (children run in their own session and are killed by pid on exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import redis
+
+from shared.localredis import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def _env(redis_url: str, prefix: str, extra: dict | None) -> dict:
+    env = dict(os.environ)
+    env.update({"REDIS_URL": redis_url, "STREAM_PREFIX": prefix, "PYTHONUNBUFFERED": "1"})
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+class Proc:
+    """A child process with its log file; `stop()` sends SIGTERM, then SIGKILL after `grace`."""
+
+    def __init__(self, popen: subprocess.Popen, log_path: Path):
+        self.popen = popen
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def spawn(module: str, env: dict, log_dir: Path, name: str) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    out = open(log_path, "ab")
+    popen = subprocess.Popen([PYTHON, "-m", module], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    return Proc(popen, log_path)
+
+
+def wait_for_worker(redis_url: str, prefix: str, proc: Proc, *, count: int = 1, timeout: float = 120.0) -> None:
+    """A worker is ready once it is in the registry zset `{p}:workers`."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"worker exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
+            if client.zcard(f"{prefix}:workers") >= count:
+                return
+            time.sleep(0.1)
+    finally:
+        client.close()
+    raise RuntimeError(f"worker not registered after {timeout}s:\n{proc.log()[-4000:]}")
+
+
+def start_worker(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_dir: Path, *,
+                 name: str = "worker", env: dict | None = None, wait: bool = True) -> Proc:
+    """`python -m worker` on the given model directory (tiny model in tests)."""
+    extra = {"MODEL_PATH": str(model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1", "WORKER_ID": name}
+    extra.update(env or {})
+    proc = spawn("worker", _env(redis_url, prefix, extra), log_dir, name)
+    if wait:
+        try:
+            wait_for_worker(redis_url, prefix, proc)
+        except Exception:
+            proc.stop(grace=2)
+            raise
+    return proc
+
+
+def wait_http_ok(url: str, proc: Proc | None = None, timeout: float = 30.0) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"process exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s" + (f":\n{proc.log()[-4000:]}" if proc else ""))
+
+
+def start_gateway(redis_url: str, prefix: str, log_dir: Path, *, port: int | None = None, name: str = "gateway",
+                  env: dict | None = None) -> tuple[Proc, str]:
+    """`python -m gateway` as a subprocess; returns (proc, "http://127.0.0.1:port")."""
+    port = port or free_port()
+    extra = {"GATEWAY_HOST": "127.0.0.1", "GATEWAY_PORT": port}
+    extra.update(env or {})
+    proc = spawn("gateway", _env(redis_url, prefix, extra), log_dir, name)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(base + "/readyz", proc)
+    except Exception:
+        proc.stop(grace=2)
+        raise
+    return proc, base
+
+
+@contextlib.contextmanager
+def worker_process(*args, **kwargs) -> Iterator[Proc]:
+    proc = start_worker(*args, **kwargs)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+class InProcessGateway:
+    """The gateway app served by uvicorn inside the test's event loop (fast to start, easy to inspect)."""
+
+    def __init__(self, settings):
+        from gateway.app import create_app
+        from gateway.server import GatewayServer, build_config
+        self.settings = settings
+        self.port = free_port()
+        self.app = create_app(settings)
+        self.hub = self.app.state.hub
+        config = build_config(settings, self.app, port=self.port)
+        self.server = GatewayServer(config)
+        self.task: asyncio.Task | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    async def start(self) -> "InProcessGateway":
+        self.server.config.setup_event_loop = lambda: None
+        self.server.install_signal_handlers = lambda: None  # older uvicorn
+        self.task = asyncio.get_running_loop().create_task(self.server.serve())
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+                raise RuntimeError("gateway server stopped during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start")
+            await asyncio.sleep(0.02)
+        return self
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self.task, 30)
+        except asyncio.TimeoutError:
+            self.server.force_exit = True
+            await self.task
+        self.task = None
+
+
+@contextlib.asynccontextmanager
+async def gateway_in_process(settings) -> AsyncIterator[InProcessGateway]:
+    gw = await InProcessGateway(settings).start()
+    try:
+        yield gw
+    finally:
+        await gw.stop()
