@@ -3,7 +3,7 @@
 Exit 0 = healthy, 1 = unhealthy, with one line on stdout saying why (Docker keeps it in
 `docker inspect`). Both read the same environment settings as the process they check.
 
-- gateway: GET /healthz on the local port; the gateway answers 200 only while it can reach
+- gateway: GET /readyz on the local port; the gateway answers 200 only while it can reach
   Redis and is not draining, so the proxy and orchestrators stop routing to it.
 - worker: the worker has no HTTP port. Its liveness signal is the registry entry it refreshes
   every WORKER_HEARTBEAT_S with a TTL of WORKER_TTL_S (`{prefix}:worker:{id}`, shared/streams.py):
@@ -26,7 +26,7 @@ def check_gateway() -> tuple[bool, str]:
 
     settings = Settings()
     host = "127.0.0.1" if settings.gateway_host in ("0.0.0.0", "::", "") else settings.gateway_host
-    url = f"http://{host}:{settings.gateway_port}/healthz"
+    url = f"http://{host}:{settings.gateway_port}/readyz"
     try:
         with urllib.request.urlopen(url, timeout=3) as resp:
             return resp.status == 200, f"{url} -> {resp.status}"

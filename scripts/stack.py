@@ -11,8 +11,9 @@ proxy, then Redis.
     python scripts/stack.py --gateways 2 --workers 2 --proxy
 
 Redis: started here (AOF on, data in RUN_DIR/redis) unless REDIS_URL is set in the environment.
-Exit status: 0 after a clean shutdown (every child exited 0 within the grace period); 1 if a
-child failed to start, all gateways or all workers died, or a child had to be killed.
+Exit status: 0 after a clean shutdown (every child exited within the grace period, with status 0
+or by the SIGTERM it was sent); 1 if a child failed to start, all gateways or all workers died,
+or a child had to be killed.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class Stack:
 
         self._write_state()
         entry = self.proxy_port or self.gateways[0].port
-        _log(f"ready: open http://127.0.0.1:{entry}/ in a browser; WebSocket ws://127.0.0.1:{entry}/ws")
+        _log(f"ready: open http://127.0.0.1:{entry}/ in a browser; WebSocket ws://127.0.0.1:{entry}/v1/stream")
         _log(f"state in {self.state_path}; Ctrl-C (SIGINT) or SIGTERM stops the stack gracefully")
 
     def _spawn(self, child: Child) -> None:
@@ -212,13 +213,13 @@ class Stack:
             time.sleep(0.2)
 
     def _wait_ready(self) -> None:
-        """Gateways: /healthz answers 200. Workers: their registry entry (written once the model is
+        """Gateways: /readyz answers 200. Workers: their registry entry (written once the model is
         loaded and the Redis loop runs) exists, the same signal deploy/healthcheck.py uses."""
         import redis
 
         deadline = time.monotonic() + self.args.ready_timeout
         for gw in self.gateways:
-            self._wait_http(gw, f"http://127.0.0.1:{gw.port}/healthz", deadline)
+            self._wait_http(gw, f"http://127.0.0.1:{gw.port}/readyz", deadline)
             _log(f"{gw.name} ready on port {gw.port}")
         keys = Keys(self.settings.stream_prefix)
         client = redis.Redis.from_url(self.redis_url)
@@ -248,10 +249,10 @@ class Stack:
             "redis_url": self.redis_url,
             "stream_prefix": self.settings.stream_prefix,
             "gateways": [{"name": c.name, "pid": c.proc.pid, "port": c.port,
-                          "url": f"ws://127.0.0.1:{c.port}/ws"} for c in self.gateways],
+                          "url": f"ws://127.0.0.1:{c.port}/v1/stream"} for c in self.gateways],
             "workers": [{"name": c.name, "pid": c.proc.pid, "worker_id": c.worker_id} for c in self.workers],
             "proxy": ({"pid": next(c.proc.pid for c in self.children if c.kind == "proxy"), "port": self.proxy_port,
-                       "url": f"ws://127.0.0.1:{self.proxy_port}/ws"} if self.proxy_port else None),
+                       "url": f"ws://127.0.0.1:{self.proxy_port}/v1/stream"} if self.proxy_port else None),
         }
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
@@ -294,7 +295,9 @@ class Stack:
                 c.proc.kill()
                 c.proc.wait()
                 clean = False
-            if c.stopped_by_us and c.proc.returncode != 0:
+            # uvicorn re-raises the SIGTERM it handled after its graceful shutdown, so -15 is a
+            # clean exit too; anything else (an error status, our SIGKILL) is not.
+            if c.stopped_by_us and c.proc.returncode not in (0, -signal.SIGTERM):
                 _log(f"{c.name} exited with status {c.proc.returncode} after SIGTERM")
                 clean = False
         for c in self.children:
