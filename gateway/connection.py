@@ -152,9 +152,14 @@ class Connection:
 
     async def _close_now(self, code: int, reason: str) -> None:
         try:
-            await asyncio.wait_for(self.ws.close(code=code, reason=reason), 5.0)
+            await asyncio.wait_for(self.ws.close(code=code, reason=reason), 2.0)
         except Exception:
-            pass
+            # a client that does not read cannot receive a close frame either: drop the TCP
+            # connection so its buffered bytes are freed (ASGI has no abort, so reach the
+            # server's transport when the server exposes it, as uvicorn does)
+            transport = getattr(getattr(self.ws._send, "__self__", None), "transport", None)
+            if transport is not None:
+                transport.abort()
 
     def held_slots(self) -> list[tuple[str, str]]:
         return [(r.key_id, r.rid) for r in self.requests.values() if r.slot_held]
@@ -267,7 +272,11 @@ class Connection:
         elif isinstance(msg, Ping):
             self._queue_control(Pong(nonce=msg.nonce, ts=time.time()))
         elif isinstance(msg, Auth):
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "this socket is already authenticated")
+            # an `auth` before any request may (re)identify the socket, e.g. a browser sending
+            # its key to a server where keys are optional
+            if self.requests:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, "authenticate before starting requests")
+            self.key_id = self.hub.key_checker.identify(msg.api_key)
 
     def _check_new_id(self, client_id: str) -> None:
         if self.hub.draining:
