@@ -1,0 +1,408 @@
+"""Gateway end to end: real Redis, a real `python -m worker` on the tiny model, real sockets.
+
+One worker serves the whole module (its start-up dominates); each test starts its own gateway
+(in this event loop, or as a `python -m gateway` subprocess for the SIGTERM test) with the
+settings it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+import websockets
+
+from gateway.auth import hash_key
+from gateway.settings import GatewaySettings
+from shared.streams import ENTRY_FIELD, decode_event
+from tests.gateway_client import GatewayClient
+from tests.stack_fixtures import gateway_in_process, start_gateway, start_worker
+
+LONG = 1500   # max_tokens for a request that must still be running when the test acts on it
+
+
+@pytest.fixture(scope="module")
+def worker_prefix():
+    return f"gw{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server, worker_prefix, tiny_model_dir, tmp_path_factory):
+    proc = start_worker(redis_server.url, worker_prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"),
+                        name="w-gateway", env={"MAX_BATCH": "32", "WORKER_HEARTBEAT_S": "0.5"})
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def make_settings(redis_server, worker_prefix, worker):
+    def make(**overrides) -> GatewaySettings:
+        base = dict(redis_url=redis_server.url, stream_prefix=worker_prefix, heartbeat_s=0, ping_timeout_s=0,
+                    resume_grace_s=0, sweep_interval_s=0.1)
+        base.update(overrides)
+        return GatewaySettings(**base)
+    return make
+
+
+async def out_events(redis_client, prefix: str, rid: str) -> list[dict]:
+    return [decode_event(f[ENTRY_FIELD]) for _, f in await redis_client.xrange(f"{prefix}:out:{rid}")]
+
+
+async def last_token_seq(redis_client, prefix: str, rid: str) -> int:
+    events = await out_events(redis_client, prefix, rid)
+    return max((e["seq"] for e in events if e["k"] == "tok"), default=0)
+
+
+async def wait_final(redis_client, prefix: str, rid: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = await out_events(redis_client, prefix, rid)
+        if events and events[-1]["k"] in ("done", "err"):
+            return events[-1]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"request {rid} never finished")
+
+
+def stream_text(events: list[dict]) -> str:
+    return "".join(e.get("text", "") for e in events if e["k"] == "tok")
+
+
+async def start(client: GatewayClient, id: str, **params) -> str:
+    params.setdefault("prompt", "Once upon a time")
+    params.setdefault("temperature", 0.0)
+    await client.send(type="generate", id=id, **params)
+    accepted = await client.recv(id)
+    assert accepted["type"] == "accepted", accepted
+    return accepted["request_id"]
+
+
+# ---------------------------------------------------------------------------- streaming
+
+
+async def test_stream_is_chunked_first_token_at_once_and_matches_the_worker_output(make_settings, redis_client,
+                                                                                  worker_prefix):
+    async with gateway_in_process(make_settings(flush_interval_ms=1000, flush_max_tokens=8)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        rid = await start(c, "s1", max_tokens=80)
+        chunks, done = await c.until_done("s1")
+        events = await out_events(redis_client, worker_prefix, rid)
+        n_events = sum(e["k"] == "tok" for e in events)
+        assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
+        assert chunks[0]["seq"] == 1                      # the first token is not held back
+        seqs = [ch["seq"] for ch in chunks]
+        assert seqs == sorted(set(seqs)) and seqs[-1] == done["seq"] == n_events
+        assert all(ch["tokens"] <= 8 for ch in chunks)
+        assert len(chunks) < n_events                     # tokens were grouped
+        assert "".join(ch["text"] for ch in chunks) == stream_text(events)
+        assert sum(ch["tokens"] for ch in chunks) == done["usage"]["completion_tokens"]
+        assert done["usage"]["ttft_ms"] <= done["usage"]["total_ms"]
+        await c.close()
+
+
+async def test_many_requests_multiplexed_on_one_socket_msgpack(make_settings, redis_client, worker_prefix):
+    async with gateway_in_process(make_settings(flush_interval_ms=40)) as gw:
+        c = await GatewayClient.connect(gw.ws_url, binary=True)
+        ids = [f"m{i}" for i in range(12)]
+        rids = {}
+        for i, id in enumerate(ids):
+            await c.send(type="generate", id=id, prompt=f"Story number {i}:", max_tokens=30, temperature=0.8, seed=i)
+        for id in ids:
+            accepted = await c.recv(id)
+            assert accepted["type"] == "accepted", accepted
+            rids[id] = accepted["request_id"]
+        for id in ids:
+            chunks, done = await c.until_done(id)
+            assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
+            events = await out_events(redis_client, worker_prefix, rids[id])
+            assert "".join(ch["text"] for ch in chunks) == stream_text(events)
+        await c.send(type="generate", id="m0", prompt="again", max_tokens=2)   # ids are reusable after done
+        assert (await c.recv("m0"))["type"] == "accepted"
+        await c.until_done("m0")
+        await c.close()
+
+
+async def test_duplicate_id_and_per_socket_cap(make_settings):
+    async with gateway_in_process(make_settings(max_requests_per_socket=2)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        await start(c, "a", max_tokens=LONG)
+        await c.send(type="generate", id="a", prompt="x")
+        assert (await c.recv("a", skip=("heartbeat", "chunk")))["code"] == "duplicate_id"
+        await start(c, "b", max_tokens=LONG)
+        await c.send(type="generate", id="c", prompt="x")
+        assert (await c.recv("c"))["code"] == "too_many_requests_on_socket"
+        for id in ("a", "b"):
+            await c.send(type="cancel", id=id)
+            _, done = await c.until_done(id)
+            assert done["finish_reason"] == "cancelled"
+        await c.close()
+
+
+# ---------------------------------------------------------------------------- cancel / disconnect
+
+
+async def test_cancel_stops_the_worker_within_a_step(make_settings, redis_client, worker_prefix):
+    async with gateway_in_process(make_settings(flush_interval_ms=0)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        rid = await start(c, "c1", max_tokens=LONG)
+        for _ in range(5):
+            assert (await c.recv("c1"))["type"] == "chunk"
+        produced_at_cancel = await last_token_seq(redis_client, worker_prefix, rid)
+        await c.send(type="cancel", id="c1")
+        chunks, done = await c.until_done("c1")
+        assert done["finish_reason"] == "cancelled"
+        final = await wait_final(redis_client, worker_prefix, rid)
+        assert final["k"] == "done" and final["finish_reason"] == "cancelled"
+        after = await last_token_seq(redis_client, worker_prefix, rid) - produced_at_cancel
+        print(f"tokens produced after the cancel was sent: {after}")
+        # one step may already be running when the cancel lands, plus the Redis round trips
+        assert after <= 3, after
+        assert done["seq"] < LONG
+        n = await redis_client.xlen(f"{worker_prefix}:out:{rid}")
+        await asyncio.sleep(0.3)
+        assert await redis_client.xlen(f"{worker_prefix}:out:{rid}") == n    # nothing after done
+        await c.close()
+
+
+async def test_client_disconnect_mid_stream_cancels_the_generation(make_settings, redis_client, worker_prefix):
+    async with gateway_in_process(make_settings(resume_grace_s=0)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        rid = await start(c, "d1", max_tokens=LONG)
+        assert (await c.recv("d1"))["type"] == "chunk"
+        c.ws.transport.abort()                             # connection lost: no close frame
+        final = await wait_final(redis_client, worker_prefix, rid, timeout=15)
+        assert final["k"] == "done" and final["finish_reason"] == "cancelled"
+        assert final["seq"] < LONG
+        # the socket's concurrency slot and request are gone from this replica
+        for _ in range(50):
+            if not gw.hub.connections:
+                break
+            await asyncio.sleep(0.05)
+        assert not gw.hub.connections
+
+
+async def test_disconnect_then_resume_on_another_replica_loses_nothing(make_settings, redis_client, worker_prefix):
+    settings = make_settings(resume_grace_s=10, flush_interval_ms=30)
+    async with gateway_in_process(settings) as gw_a, gateway_in_process(settings) as gw_b:
+        a = await GatewayClient.connect(gw_a.ws_url)
+        rid = await start(a, "r1", max_tokens=400)
+        seen = []
+        while sum(ch["tokens"] for ch in seen) < 20:
+            msg = await a.recv("r1")
+            assert msg["type"] == "chunk"
+            seen.append(msg)
+        last_seq = seen[-1]["seq"]
+        await a.close()                                    # connection lost mid-stream
+
+        b = await GatewayClient.connect(gw_b.ws_url)
+        await b.send(type="resume", id="r1", last_seq=last_seq)
+        accepted = await b.recv("r1")
+        assert accepted == {"v": 1, "type": "accepted", "id": "r1", "request_id": rid}
+        rest, done = await b.until_done("r1")
+        assert done["type"] == "done" and done["finish_reason"] in ("length", "stop"), done
+        assert rest[0]["seq"] > last_seq
+        events = await out_events(redis_client, worker_prefix, rid)
+        assert "".join(ch["text"] for ch in seen + rest) == stream_text(events)   # nothing lost, nothing twice
+        assert done["seq"] == sum(e["k"] == "tok" for e in events)
+        await b.close()
+
+        # resuming again from 0 replays everything from Redis, while output is retained
+        c = await GatewayClient.connect(gw_a.ws_url)
+        await c.send(type="resume", id="r1", last_seq=0, request_id=rid)
+        assert (await c.recv("r1"))["type"] == "accepted"
+        again, done2 = await c.until_done("r1")
+        assert "".join(ch["text"] for ch in again) == stream_text(events) and done2["seq"] == done["seq"]
+        await c.send(type="resume", id="never-existed", last_seq=0)
+        assert (await c.recv("never-existed"))["code"] == "resume_expired"
+        await c.close()
+
+
+async def test_unresumed_orphan_is_cancelled_after_the_grace(make_settings, redis_client, worker_prefix):
+    async with gateway_in_process(make_settings(resume_grace_s=0.5)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        rid = await start(c, "o1", max_tokens=LONG)
+        assert (await c.recv("o1"))["type"] == "chunk"
+        t0 = time.monotonic()
+        await c.close()
+        final = await wait_final(redis_client, worker_prefix, rid, timeout=15)
+        assert final["finish_reason"] == "cancelled" and final["seq"] < LONG
+        assert time.monotonic() - t0 >= 0.4            # it did wait for a resume first
+
+
+# ---------------------------------------------------------------------------- backpressure / liveness
+
+
+async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
+    settings = make_settings(send_queue_max=64, slow_consumer_s=1.0, flush_interval_ms=0)
+    async with gateway_in_process(settings) as gw:
+        # a client that never reads: its TCP window fills, sends block, pongs pile up
+        slow = await GatewayClient.connect(gw.ws_url, max_queue=1, ping_interval=None)
+        for i in range(3):
+            await slow.send(type="generate", id=f"s{i}", prompt="Tell me everything", max_tokens=LONG)
+        fast = await GatewayClient.connect(gw.ws_url)
+
+        async def flood():
+            blob = "p" * 1000
+            try:
+                for i in range(20000):
+                    await slow.send(type="ping", nonce=f"{i}{blob}")
+            except websockets.ConnectionClosed:
+                pass
+
+        flooder = asyncio.create_task(flood())
+        t0 = time.monotonic()
+        await start(fast, "f1", max_tokens=200)
+        _, done = await fast.until_done("f1", timeout=60)
+        assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
+        fast_s = time.monotonic() - t0
+        await asyncio.wait_for(flooder, 60)
+        for _ in range(200):
+            if gw.hub.metrics.slow_consumers._value.get() >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert gw.hub.metrics.slow_consumers._value.get() == 1
+        assert len(gw.hub.connections) == 1                  # only the fast client remains
+        print(f"fast client finished 200 tokens in {fast_s:.2f}s next to a non-reading client")
+        await fast.close()
+
+
+async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings, redis_client, worker_prefix):
+    settings = make_settings(heartbeat_s=0.3, ping_timeout_s=0.5)
+    async with gateway_in_process(settings) as gw:
+        idle = await GatewayClient.connect(gw.ws_url)
+        msg = await idle.recv_any(timeout=3)
+        assert msg["type"] == "heartbeat"
+        await idle.close()
+
+        # a client that vanished without a FIN: it never answers protocol pings
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"101" in head.split(b"\r\n")[0]
+        writer.write(_masked_text_frame(
+            '{"type":"generate","id":"z","prompt":"hello","max_tokens":%d,"temperature":0}' % LONG))
+        await writer.drain()
+        rid = None
+        for _ in range(100):
+            rid = next((r.rid for conn in gw.hub.connections for r in conn.requests.values()), None)
+            if rid:
+                break
+            await asyncio.sleep(0.02)
+        assert rid
+        final = await wait_final(redis_client, worker_prefix, rid, timeout=20)
+        assert final["finish_reason"] == "cancelled"
+        writer.close()
+
+
+def _masked_text_frame(text: str) -> bytes:
+    payload = text.encode()
+    mask = b"\x01\x02\x03\x04"
+    header = bytes([0x81])
+    n = len(payload)
+    header += bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+# ---------------------------------------------------------------------------- limits / admission
+
+
+async def test_per_key_concurrency_is_shared_across_replicas_and_rate_limit(make_settings):
+    keys = f"team:{hash_key('sk-team')}"
+    settings = make_settings(api_keys=keys, per_key_concurrency=2, per_key_rate_per_min=5)
+    headers = {"Authorization": "Bearer sk-team"}
+    if time.time() % 60 > 50:                      # keep the test inside one fixed rate window
+        await asyncio.sleep(61 - time.time() % 60)
+    async with gateway_in_process(settings) as gw_a, gateway_in_process(settings) as gw_b:
+        a = await GatewayClient.connect(gw_a.ws_url, headers=headers)
+        b = await GatewayClient.connect(gw_b.ws_url, headers=headers)
+        await start(a, "k1", max_tokens=LONG)
+        await start(b, "k2", max_tokens=LONG)
+        await b.send(type="generate", id="k3", prompt="x", max_tokens=5)
+        err = await b.recv("k3")
+        assert err["code"] == "concurrency_limit" and err["retryable"] is True
+        await a.send(type="cancel", id="k1")
+        await a.until_done("k1")
+        await start(b, "k3", max_tokens=2)                   # a slot is free again
+        await b.until_done("k3")
+        await b.send(type="generate", id="k4", prompt="x", max_tokens=2)   # 5th attempt this minute: ok
+        assert (await b.recv("k4"))["type"] == "accepted"
+        await b.until_done("k4")
+        await b.send(type="generate", id="k5", prompt="x", max_tokens=2)   # 6th: rate limited
+        assert (await b.recv("k5"))["code"] == "rate_limited"
+        await b.send(type="cancel", id="k2")
+        await b.until_done("k2")
+        await a.close()
+        await b.close()
+
+
+async def test_admission_rejects_when_the_queue_is_too_deep(make_settings, redis_client, worker_prefix):
+    async with gateway_in_process(make_settings(max_queue_depth=3, admission_cache_ms=60000)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        accepted, codes = [], []
+        for i in range(6):
+            await c.send(type="generate", id=f"q{i}", prompt="x", max_tokens=LONG)
+            msg = await c.recv(f"q{i}")
+            (accepted.append(f"q{i}") if msg["type"] == "accepted" else codes.append(msg["code"]))
+        assert len(accepted) <= 3 and codes and set(codes) == {"overloaded"}
+        for id in accepted:
+            await c.send(type="cancel", id=id)
+            await c.until_done(id)
+        await c.close()
+
+
+# ---------------------------------------------------------------------------- graceful shutdown
+
+
+async def test_sigterm_tells_clients_to_resume_elsewhere(redis_server, worker_prefix, worker, make_settings,
+                                                         tmp_path, redis_client):
+    proc, base = start_gateway(redis_server.url, worker_prefix, tmp_path,
+                               env={"RESUME_GRACE_S": "10", "HEARTBEAT_S": "0"})
+    try:
+        c = await GatewayClient.connect(base.replace("http", "ws") + "/v1/stream")
+        rid = await start(c, "g1", max_tokens=300)
+        seen = [await c.recv("g1")]
+        proc.signal(signal.SIGTERM)
+        while True:
+            msg = await c.recv_any(timeout=10)
+            if msg["type"] == "chunk":
+                seen.append(msg)
+            else:
+                break
+        assert msg["type"] == "error" and msg["code"] == "shutting_down" and msg["retryable"] is True
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await c.recv_any(timeout=10)
+        assert info.value.rcvd.code == 1012 and "resume" in info.value.rcvd.reason
+        assert proc.popen.wait(20) == 0
+
+        async with gateway_in_process(make_settings()) as other:
+            d = await GatewayClient.connect(other.ws_url)
+            await d.send(type="resume", id="g1", last_seq=seen[-1]["seq"])
+            assert (await d.recv("g1"))["type"] == "accepted"
+            rest, done = await d.until_done("g1")
+            assert done["finish_reason"] in ("length", "stop")
+            events = await out_events(redis_client, worker_prefix, rid)
+            assert "".join(ch["text"] for ch in seen + rest) == stream_text(events)
+            await d.close()
+    finally:
+        proc.stop()
+
+
+async def test_metrics_count_outcomes_ttft_and_flushes(make_settings):
+    async with gateway_in_process(make_settings()) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        await start(c, "x1", max_tokens=20)
+        await c.until_done("x1")
+        async with httpx.AsyncClient(base_url=gw.base) as http:
+            text = (await http.get("/metrics")).text
+        assert 'gateway_requests_total{outcome="length"} 1.0' in text or \
+               'gateway_requests_total{outcome="stop"} 1.0' in text
+        assert "gateway_ttft_seconds_count 1.0" in text
+        flushes = float(next(line.split()[1] for line in text.splitlines() if line.startswith("gateway_flushes_total")))
+        assert flushes >= 1
+        await c.close()
