@@ -1,0 +1,47 @@
+"""Helpers shared by the bench scripts: percentiles, a plain-text table, JSON results."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def percentile(values, p: float) -> float:
+    """Nearest-rank-with-interpolation percentile (p in 0..100); nan for no values."""
+    data = sorted(values)
+    if not data:
+        return math.nan
+    k = (len(data) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return data[lo] + (data[hi] - data[lo]) * (k - lo)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda parts: "| " + " | ".join(p.ljust(w) for p, w in zip(parts, widths)) + " |"
+    out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(row) for row in cells]
+    return "\n".join(out)
+
+
+def machine() -> dict:
+    import os
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+
+
+def write_json(name: str, data: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), **data}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
