@@ -229,3 +229,14 @@ def test_healthchecks_fail_cleanly_when_nothing_answers():
     assert down.returncode == 1 and "redis unreachable" in down.stdout
     gw = run_healthcheck("gateway", {"GATEWAY_PORT": str(port)})
     assert gw.returncode == 1 and f":{port}/readyz" in gw.stdout
+
+
+def test_gateway_runs_without_worker_dependencies():
+    """What the gateway image relies on: the gateway's modules import with torch & co. absent."""
+    code = ("import sys\n"
+            "for m in ('torch', 'transformers', 'gguf', 'accelerate'): sys.modules[m] = None\n"
+            "import gateway.__main__, gateway.app, gateway.server\n"
+            "gateway.app.create_app()\n"
+            "print('gateway ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0 and "gateway ok" in proc.stdout, proc.stderr[-3000:]
