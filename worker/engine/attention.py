@@ -1,0 +1,108 @@
+"""The attention function the engine plugs into transformers' attention interface.
+
+Each step packs every request's new tokens into ONE sequence [1, T] (a decoding request adds one
+token, a prefilling request a chunk of its prompt) with per-token position ids, so the model's
+projections, MLPs and RoPE run once for the whole batch. transformers' attention modules hand us
+q/k/v of that packed sequence (no cache object is passed, so they do not try to update one); here
+we write the new keys/values into each request's slot of the `SlotKVCache` and attend:
+
+* decode tokens: one batched SDPA over the view `cache[:rows, :, :max_len]` with a per-row
+  length mask, queries placed at their slot's row;
+* prefill chunks: one SDPA per chunk against that slot's view `[:start + chunk]` with a causal
+  mask offset by `start`.
+
+Grouped-query attention is handled by folding the query heads that share a KV head into the
+query-length axis, so keys/values are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+ATTN_IMPLEMENTATION = "slot_kv"
+META_KWARG = "slot_step"
+
+
+@dataclass
+class PrefillChunk:
+    slot: int
+    start: int             # position of the chunk's first token in the request
+    length: int
+    mask: torch.Tensor     # bool [groups * length, start + length], True = may attend
+
+
+@dataclass
+class StepMeta:
+    """Per-step index tensors, built once per step and shared by every layer."""
+    cache: "object"                 # SlotKVCache
+    write_slots: torch.Tensor       # long [T]: slot of each packed token
+    write_pos: torch.Tensor         # long [T]: position of each packed token
+    num_decode: int                 # packed tokens [0, num_decode) are decode tokens
+    rows: int = 0                   # decode view covers slots [0, rows)
+    max_len: int = 0                # decode view covers positions [0, max_len)
+    row_token: torch.Tensor | None = None    # long [rows]: packed token feeding each row (None = identity)
+    decode_rows: torch.Tensor | None = None  # long [num_decode]: row of each decode token (None = identity)
+    decode_mask: torch.Tensor | None = None  # bool [rows, 1, 1, max_len]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface signature; returns ([1, T, heads, head_dim], None)."""
+    meta: StepMeta | None = kwargs.pop(META_KWARG, None)
+    if meta is None:  # a plain forward/generate call on the same model: behave like "sdpa"
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    layer = module.layer_idx
+    k_cache, v_cache = meta.cache.keys[layer], meta.cache.values[layer]
+    # query [1, H, T, D]; key/value [1, KVH, T, D]
+    k_cache[meta.write_slots, :, meta.write_pos] = key[0].transpose(0, 1)
+    v_cache[meta.write_slots, :, meta.write_pos] = value[0].transpose(0, 1)
+
+    heads, head_dim = query.shape[1], query.shape[3]
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    q = query[0]  # [H, T, D]
+    parts = []
+    if meta.num_decode:
+        rows = meta.rows
+        q_rows = q[:, : meta.num_decode] if meta.row_token is None else q.index_select(1, meta.row_token)
+        q_rows = q_rows.transpose(0, 1).reshape(rows, kv_heads, groups, head_dim)
+        out = F.scaled_dot_product_attention(
+            q_rows, k_cache[:rows, :, : meta.max_len], v_cache[:rows, :, : meta.max_len],
+            attn_mask=meta.decode_mask, scale=scaling,
+        ).reshape(rows, heads, head_dim)
+        parts.append(out if meta.decode_rows is None else out.index_select(0, meta.decode_rows))
+    offset = meta.num_decode
+    for chunk in meta.prefills:
+        c, end = chunk.length, chunk.start + chunk.length
+        q_chunk = q[:, offset : offset + c].reshape(1, kv_heads, groups * c, head_dim)
+        out = F.scaled_dot_product_attention(
+            q_chunk, k_cache[chunk.slot : chunk.slot + 1, :, :end], v_cache[chunk.slot : chunk.slot + 1, :, :end],
+            attn_mask=chunk.mask, scale=scaling,
+        )  # [1, KVH, G*c, D]
+        parts.append(out.view(kv_heads, groups, c, head_dim).permute(2, 0, 1, 3).reshape(c, heads, head_dim))
+        offset += c
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    return out.unsqueeze(0), None
+
+
+def prefill_mask(start: int, length: int, groups: int, device) -> torch.Tensor:
+    """Causal mask of a chunk at `start`: query i (repeated for each folded head group) sees
+    positions <= start + i."""
+    q_pos = torch.arange(start, start + length, device=device)
+    k_pos = torch.arange(start + length, device=device)
+    return (k_pos[None, :] <= q_pos[:, None]).repeat(groups, 1)
+
+
+def register() -> None:
+    """Idempotent: make `slot_kv` a valid `attn_implementation`. Its mask function is SDPA's, so
+    the model still runs `generate()` correctly outside the engine; engine steps pass a ready
+    4D placeholder mask, which transformers hands through without building one."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -1,0 +1,59 @@
+"""Engine sizing knobs, kept apart from `shared.config.Settings` so the engine can be built in
+tests and benchmarks without environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    """"auto" means CUDA when present, else CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """"auto" means bf16 on CUDA (fp16 on GPUs without bf16) and fp32 on CPU, where half
+    precision matmuls are slow and lose accuracy for no gain."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 16           # running requests (= KV cache slots)
+    max_seq_len: int = 2048       # prompt + output tokens of one request (= length of one slot)
+    kv_cache_tokens: int = 0      # admission budget in tokens; 0 = max_batch * max_seq_len
+    prefill_chunk: int = 256      # prompt tokens processed per step, interleaved with decode
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0:
+            raise ValueError(f"invalid engine config: {self}")
+
+    @property
+    def token_budget(self) -> int:
+        """KV tokens admission may reserve; never more than the slots can physically hold."""
+        physical = self.max_batch * self.max_seq_len
+        return min(self.kv_cache_tokens, physical) if self.kv_cache_tokens else physical
+
+    @classmethod
+    def from_settings(cls, settings) -> "EngineConfig":
+        device = resolve_device(settings.device)
+        return cls(
+            max_batch=settings.max_batch,
+            max_seq_len=settings.max_seq_len,
+            kv_cache_tokens=settings.kv_cache_tokens,
+            prefill_chunk=settings.prefill_chunk,
+            device=device,
+            dtype=resolve_dtype(settings.dtype, device),
+        )

@@ -1,0 +1,77 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded with a sliding window over the token ids, as vLLM and TGI do (prefix_offset /
+read_offset): decoding a few tokens of context before the new ones keeps spacing right for
+tokenizers that merge across tokens, and text ending in U+FFFD (an incomplete UTF-8 sequence
+spread over several byte tokens) is held back until the next token completes it. Stop strings
+are matched on the decoded text; a tail that could still become a stop string is held back too,
+so a stop string is never partly emitted.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = [s for s in stop if s]
+        self._max_stop = max((len(s) for s in self._stop), default=0)
+        self.text = ""        # all decoded output text so far (stop string excluded once found)
+        self.emitted = 0      # characters of `text` already released
+        self.stopped = False  # a stop string was found
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; returns the newly releasable text (maybe "")."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            if self._stop:
+                self._find_stop(max(0, start - self._max_stop + 1))
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Release everything left (held-back partial stop match or trailing incomplete bytes)."""
+        if not self.stopped and self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            self.text += full[len(prefix):]
+            self._read_offset = len(self._ids)
+        return self._release(final=True)
+
+    def _find_stop(self, search_from: int) -> None:
+        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and not self.stopped and self._stop:
+            end -= self._partial_stop_len()
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        tail = self.text[-self._max_stop :] if self._max_stop else ""
+        for n in range(min(len(tail), self._max_stop - 1), 0, -1):
+            suffix = tail[-n:]
+            if any(s.startswith(suffix) for s in self._stop):
+                return n
+        return 0
