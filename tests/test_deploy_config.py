@@ -240,3 +240,16 @@ def test_gateway_runs_without_worker_dependencies():
             "print('gateway ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0 and "gateway ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_worker_image_build_check_loads_the_baked_model_offline(tmp_path):
+    """Run the worker Dockerfile's own build-time check (the RUN line that loads the model) here,
+    offline, with an empty HF cache: the command matches the engine API and needs no network."""
+    import os
+    final = dockerfile_stages(ROOT / "deploy" / "worker.Dockerfile")[-1]
+    command = next(arg for op, arg in final if op == "RUN" and "load_model" in arg)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["sh", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
