@@ -31,6 +31,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; returns the newly releasable text (maybe "")."""
+        if self.stopped:
+            return ""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])

@@ -1,0 +1,325 @@
+"""The continuous-batching engine on a tiny random Llama (real SmolLM2 tokenizer), in-process.
+
+The model is built untied and with a wide init so greedy output does not degenerate into one
+repeated token: equivalence with `model.generate` then really exercises the cache and masks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from shared.errors import ErrorCode
+from shared.streams import SamplingParams
+from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
+from worker.engine.detokenize import IncrementalDetokenizer
+
+PROMPTS = [
+    "Hello there, how are you doing today?",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Hi",
+    "Once upon a time, in a land far away, there lived a dragon who loved tea and long walks.",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def ids(tokenizer, text):
+    return tokenizer(text)["input_ids"]
+
+
+def reference(model, prompt_ids, n):
+    """`model.generate` greedy, one request alone."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=model.config.pad_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def run(engine, schedule=None, max_steps=10_000):
+    """Step until idle. `schedule` maps step number -> requests added before that step.
+    Returns ({rid: [StepOutput]}, number of steps)."""
+    schedule = dict(schedule or {})
+    outs: dict[str, list] = {}
+    step = 0
+    while engine.has_work or schedule:
+        for req in schedule.pop(step, []):
+            engine.add(req)
+        for o in engine.step():
+            outs.setdefault(o.rid, []).append(o)
+        step += 1
+        assert step < max_steps
+    return outs, step
+
+
+def tokens(outs):
+    return [t for o in outs for t in o.token_ids]
+
+
+def text(outs):
+    return "".join(o.text for o in outs)
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def test_greedy_batched_equals_generate_alone(model, tokenizer):
+    """Requests of different lengths joining at different steps, prompts spanning several
+    prefill chunks, more requests than slots: each one's tokens equal generate() alone."""
+    n = 24
+    prompt_ids = [ids(tokenizer, p) for p in PROMPTS]
+    assert max(map(len, prompt_ids)) > 3 * 8
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=3, max_seq_len=256, prefill_chunk=8))
+    schedule = {0: [], 2: [], 5: [], 11: []}
+    for i, (p, when) in enumerate(zip(prompt_ids, [0, 0, 2, 5, 11])):
+        schedule[when].append(EngineRequest(f"r{i}", p, greedy(n)))
+    outs, _ = run(engine, schedule)
+    for i, p in enumerate(prompt_ids):
+        got = outs[f"r{i}"]
+        assert tokens(got) == reference(model, p, n), f"request r{i}"
+        assert got[-1].finished and got[-1].finish_reason == "length"
+        assert got[-1].completion_tokens == n and got[-1].prompt_tokens == len(p)
+        assert sum(o.finished for o in got) == 1
+    assert engine.num_running == 0 and engine.kv_tokens_used == 0 and engine.cache.num_free == 3
+
+
+def test_decode_continues_every_step_during_chunked_prefill(model, tokenizer):
+    """A long prompt is prefilled over several steps while a running stream keeps getting one
+    token per step (no stall), and prefill chunks never exceed prefill_chunk tokens."""
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=512, prefill_chunk=16))
+    engine.add(EngineRequest("short", ids(tokenizer, "Hi"), greedy(60)))
+    engine.step()  # prefill + first token of "short"
+    long_prompt = ids(tokenizer, PROMPTS[1] * 3)
+    engine.add(EngineRequest("long", long_prompt, greedy(4)))
+    chunks_needed = -(-len(long_prompt) // 16)
+    assert chunks_needed >= 4
+    for step in range(chunks_needed):
+        rids = [o.rid for o in engine.step()]
+        assert rids.count("short") == 1, f"step {step}"
+        assert ("long" in rids) == (step == chunks_needed - 1)
+    seq = engine._by_rid["long"]
+    assert seq.computed == len(long_prompt)
+
+
+def test_seed_gives_same_output_regardless_of_companions(model, tokenizer):
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    prompt = ids(tokenizer, PROMPTS[0])
+    alone, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=256)),
+                   {0: [EngineRequest("a", prompt, params)]})
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=256, prefill_chunk=8))
+    crowd, _ = run(engine, {
+        0: [EngineRequest("x", ids(tokenizer, PROMPTS[1]), SamplingParams(max_tokens=30, temperature=0.7, seed=9))],
+        1: [EngineRequest("a", prompt, params)],
+        3: [EngineRequest("y", ids(tokenizer, PROMPTS[3]), SamplingParams(max_tokens=10, temperature=1.2))],
+    })
+    assert tokens(alone["a"]) == tokens(crowd["a"])
+    other, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=256)),
+                   {0: [EngineRequest("a", prompt, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9,
+                                                                  top_k=50, seed=4321))]})
+    assert tokens(other["a"]) != tokens(alone["a"])
+    assert tokens(alone["a"]) != reference(model, prompt, 20)  # really sampled, not greedy
+
+
+def test_top_k_1_equals_greedy(model, tokenizer):
+    prompt = ids(tokenizer, PROMPTS[3])
+    outs, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("k1", prompt, SamplingParams(max_tokens=16, temperature=1.5, top_k=1))]})
+    assert tokens(outs["k1"]) == reference(model, prompt, 16)
+
+
+def test_top_p_tiny_equals_greedy(model, tokenizer):
+    """top_p close to 0 keeps only the most likely token."""
+    prompt = ids(tokenizer, PROMPTS[0])
+    outs, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("p", prompt, SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-6))]})
+    assert tokens(outs["p"]) == reference(model, prompt, 16)
+
+
+def test_stop_string_ends_and_is_never_emitted(model, tokenizer):
+    prompt = ids(tokenizer, PROMPTS[0])
+    full, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("f", prompt, greedy(40))]})
+    full_text = text(full["f"])
+    assert len(full_text) > 20
+    stop = full_text[12:16]
+    cut = full_text.find(stop)
+    outs, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("s", prompt, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                 stop=["never-appears", stop]))]})
+    got = outs["s"]
+    assert text(got) == full_text[:cut]
+    assert got[-1].finish_reason == "stop" and got[-1].finished
+    assert got[-1].completion_tokens < 40
+
+
+def test_max_tokens_gives_length(model, tokenizer):
+    outs, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("m", ids(tokenizer, "Hi"), greedy(7))]})
+    got = outs["m"]
+    assert len(tokens(got)) == 7 and got[-1].completion_tokens == 7 and got[-1].finish_reason == "length"
+
+
+def test_eos_ends_with_stop(model, tokenizer):
+    """Any of the generation config's EOS ids ends the request (finish_reason "stop")."""
+    prompt = ids(tokenizer, PROMPTS[0])
+    ref = reference(model, prompt, 10)
+    eos = ref[3]
+    assert eos not in ref[:3]
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, eos]
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
+    finally:
+        model.generation_config.eos_token_id = saved
+    outs, _ = run(engine, {0: [EngineRequest("e", prompt, greedy(10))]})
+    got = outs["e"]
+    assert tokens(got) == ref[:4]
+    assert got[-1].finish_reason == "stop" and got[-1].completion_tokens == 4
+    assert text(got) == tokenizer.decode(ref[:3], skip_special_tokens=True)
+
+
+def test_cancel_frees_slot_and_budget(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
+    for rid in ("a", "b", "c"):
+        engine.add(EngineRequest(rid, ids(tokenizer, PROMPTS[0]), greedy(100)))
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    used = engine.kv_tokens_used
+    reserve = len(ids(tokenizer, PROMPTS[0])) + 100
+    assert engine.cancel("a") is True
+    assert engine.num_running == 1 and engine.kv_tokens_used == used - reserve and engine.cache.num_free == 1
+    assert engine.cancel("a") is False and engine.cancel("nope") is False
+    outs = engine.step()
+    by_rid = {o.rid: o for o in outs}
+    assert by_rid["a"].finished and by_rid["a"].finish_reason == "cancelled" and by_rid["a"].completion_tokens == 1
+    assert engine.num_running == 2 and engine.num_waiting == 0  # "c" took the freed slot
+    assert "c" in by_rid  # ... and was prefilled in that same step
+    # cancelling a waiting request
+    engine.add(EngineRequest("d", ids(tokenizer, "Hi"), greedy(5)))
+    assert engine.num_waiting == 1 and engine.cancel("d")
+    assert engine.num_waiting == 0
+    outs = engine.step()
+    assert any(o.rid == "d" and o.finish_reason == "cancelled" and o.completion_tokens == 0 for o in outs)
+    for rid in ("b", "c"):
+        engine.cancel(rid)
+    engine.step()
+    assert not engine.has_work and engine.kv_tokens_used == 0 and engine.cache.num_free == 2
+
+
+def test_budget_queues_what_fits_later_and_rejects_what_never_fits(model, tokenizer):
+    prompt = ids(tokenizer, "Hello there")
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=128, kv_cache_tokens=100))
+    assert engine.kv_tokens_total == 100
+    need = 100 - len(prompt)
+    with pytest.raises(EngineRejected) as exc:
+        engine.add(EngineRequest("big", prompt, greedy(need + 1)))
+    assert exc.value.code == ErrorCode.CONTEXT_TOO_LONG
+    engine.add(EngineRequest("one", prompt, greedy(60)))
+    engine.add(EngineRequest("two", prompt, greedy(60)))
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1  # slots free, budget is not
+    assert engine.kv_tokens_used == len(prompt) + 60
+    outs, _ = run(engine)
+    assert outs["one"][-1].finish_reason == "length" and outs["two"][-1].finish_reason == "length"
+    # longer than one slot even though the budget would allow it
+    wide = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=64, kv_cache_tokens=1000))
+    with pytest.raises(EngineRejected) as exc:
+        wide.add(EngineRequest("long", prompt, greedy(64)))
+    assert exc.value.code == ErrorCode.CONTEXT_TOO_LONG
+
+
+def test_invalid_requests_are_rejected_without_harm(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=128))
+    engine.add(EngineRequest("ok", ids(tokenizer, "Hi"), greedy(3)))
+    for req, code in [
+        (EngineRequest("ok", ids(tokenizer, "Hi"), greedy(3)), ErrorCode.DUPLICATE_ID),
+        (EngineRequest("empty", [], greedy(3)), ErrorCode.INVALID_REQUEST),
+        (EngineRequest("bad", ids(tokenizer, "Hi"), SamplingParams(max_tokens=0)), ErrorCode.INVALID_REQUEST),
+    ]:
+        with pytest.raises(EngineRejected) as exc:
+            engine.add(req)
+        assert exc.value.code == code
+    outs, _ = run(engine)
+    assert outs["ok"][-1].finish_reason == "length" and set(outs) == {"ok"}
+
+
+def test_interactive_lane_admitted_before_batch(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=1, max_seq_len=128))
+    prompt = ids(tokenizer, "Hi")
+    engine.add(EngineRequest("first", prompt, greedy(3)))
+    engine.step()
+    engine.add(EngineRequest("b1", prompt, greedy(2), priority="batch"))
+    engine.add(EngineRequest("b2", prompt, greedy(2), priority="batch"))
+    engine.add(EngineRequest("i1", prompt, greedy(2), priority="interactive"))
+    order = []
+    while engine.has_work:
+        for o in engine.step():
+            if o.rid not in order:
+                order.append(o.rid)
+    assert order == ["first", "i1", "b1", "b2"]
+
+
+def test_skip_tokens_suppresses_already_delivered_output(model, tokenizer):
+    """A replayed request regenerates the same tokens but emits only what follows the first
+    `skip_tokens`; the two runs' texts join up exactly."""
+    prompt = ids(tokenizer, PROMPTS[3])
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=7)
+    full, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("r", prompt, params)]})
+    delivered = full["r"][:6]
+    assert tokens(delivered) == tokens(full["r"])[:6]
+    replay, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                    {0: [EngineRequest("r", prompt, params, skip_tokens=6)]})
+    assert tokens(replay["r"]) == tokens(full["r"])[6:]
+    assert text(delivered) + text(replay["r"]) == text(full["r"])
+    assert replay["r"][-1].completion_tokens == 20
+
+
+@pytest.mark.parametrize("sample", ["👋🌍 你好，世界！ Ünïcödé ✨ 🎉🎉", "日本語のテキストと絵文字 🤖🦄"])
+def test_detokenizer_never_emits_broken_utf8(tokenizer, sample):
+    """Feeding the byte-level tokens of emoji/CJK text one by one: every emitted piece is
+    complete text (no U+FFFD from split characters) and the pieces add up to the text."""
+    token_ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+    assert len(token_ids) > len(sample) / 2  # many characters span several tokens
+    detok = IncrementalDetokenizer(tokenizer, tokenizer("Say:")["input_ids"], stop=[])
+    pieces = [detok.add(t) for t in token_ids] + [detok.finish()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == sample
+
+
+def test_detokenizer_holds_back_partial_stop_strings(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["END!"])
+    emitted = ""
+    for t in tokenizer("hello wor EN world END! tail", add_special_tokens=False)["input_ids"]:
+        emitted += detok.add(t)
+        assert not emitted.endswith(("E", "EN", "END")), "a possible stop-string start was released"
+    assert detok.stopped
+    assert emitted + detok.finish() == "hello wor EN world "
+
+
+def test_sampled_emoji_prompt_output_is_whole_text(model, tokenizer):
+    """Random sampling produces arbitrary byte tokens; the streamed pieces always equal the
+    one-shot decode of the generated tokens, so no piece ever held a split character."""
+    prompt = ids(tokenizer, "Translate 👋🌍 to 中文: 你好世界 🎉")
+    outs, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("u", prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=3))]})
+    got = outs["u"]
+    assert text(got) == tokenizer.decode(tokens(got), skip_special_tokens=True)
