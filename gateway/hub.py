@@ -45,7 +45,11 @@ class Hub:
 
     async def start(self) -> None:
         s = self.settings
-        self.redis = aioredis.from_url(s.redis_url, max_connections=256, health_check_interval=30)
+        # a bounded pool that waits for a free connection under bursts (the plain pool raises
+        # "Too many connections" instead, which would turn a burst into client errors)
+        pool = aioredis.BlockingConnectionPool.from_url(s.redis_url, max_connections=64, timeout=10,
+                                                        health_check_interval=30)
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.reader = OutputReader(s.redis_url)
         self.submitter = Submitter(self.redis, self.keys, request_maxlen=s.request_stream_maxlen,
                                    output_ttl_s=s.output_ttl_s)

@@ -45,7 +45,9 @@ class Subscription:
 class OutputReader:
     def __init__(self, redis_url: str, *, block_ms: int = 5000, count: int = 512):
         # A dedicated single connection: it sits in XREAD BLOCK, and CLIENT UNBLOCK needs its id.
-        self.redis = aioredis.from_url(redis_url, single_connection_client=True)
+        # Its read timeout must outlast the BLOCK time, or every idle XREAD ends in a timeout.
+        self.redis = aioredis.from_url(redis_url, single_connection_client=True,
+                                       socket_timeout=block_ms / 1000 + 10)
         self.control = aioredis.from_url(redis_url)
         self.block_ms = block_ms
         self.count = count
