@@ -199,3 +199,19 @@ async def test_healthz_readyz_metrics_and_page(redis_server, stream_prefix):
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert (await http.get("/healthz")).status_code == 200
             assert (await http.get("/readyz")).status_code == 503
+
+
+async def test_backlog_is_read_from_the_consumer_group(redis_client, stream_prefix):
+    from gateway.admission import read_backlog
+    from shared.streams import CONSUMER_GROUP, Keys
+
+    keys = Keys(stream_prefix)
+    assert (await read_backlog(redis_client, keys, 10)).depth == 0             # no stream yet
+    for i in range(5):
+        await redis_client.xadd(keys.requests, {"d": b"x"})
+    assert (await read_backlog(redis_client, keys, 10)).queued == 5            # no group yet: all queued
+    await redis_client.xgroup_create(keys.requests, CONSUMER_GROUP, id="0")
+    await redis_client.xreadgroup(CONSUMER_GROUP, "w1", {keys.requests: ">"}, count=2)
+    await redis_client.zadd(keys.workers, {"w1": int(time.time() * 1000), "stale": 1})
+    backlog = await read_backlog(redis_client, keys, 10)
+    assert (backlog.queued, backlog.pending, backlog.depth, backlog.live_workers) == (3, 2, 5, 1)
