@@ -372,12 +372,12 @@ class Connection:
         rid = await hub.submitter.lookup_alias(self.key_id, cid)
         if rid is None or (msg.request_id is not None and msg.request_id != rid):
             raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
-        epoch = await hub.submitter.attach(rid)
         try:
             await hub.limits.acquire(self.key_id, rid)
         except ProtocolError as exc:
             exc.request_id = cid
             raise
+        epoch = await hub.submitter.attach(rid)     # only now: a parked orphan is spared
         req = self._new_request(cid, rid, skip_seq=msg.last_seq, resumed=True)
         req.slot_held = True
         req.epoch = epoch
