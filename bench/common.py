@@ -8,7 +8,7 @@ import platform
 import time
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "out"  # gitignored
 
 
 def percentile(values, p: float) -> float:

@@ -1,0 +1,298 @@
+"""Throughput and latency of the continuous-batching engine against transformers' own ways of
+serving the same requests, on the same model, prompts and arrival schedule, in one run.
+
+Methods:
+  a. sequential  - `model.generate`, one request at a time (FIFO)
+  b. static      - `model.generate` on left-padded batches of up to --batch requests; a batch
+                   starts when --batch requests wait or the oldest waited --static-wait s, and
+                   runs until its longest request is done (a request arriving meanwhile waits)
+  c. hf_cb       - transformers' continuous batching (`init_continuous_batching` manager,
+                   requests added at their arrival times), where it works
+  d. engine      - worker.engine.Engine, requests added at their arrival times
+
+Workloads:
+  uniform - N requests, same output length, all arriving at t=0
+  mixed   - N requests, output lengths log-uniform in [--min-tokens, --max-tokens] from a fixed
+            seed, prompts of mixed length, Poisson arrivals at --rate requests/s
+
+Output lengths are forced (EOS disabled everywhere) so every method produces the same tokens
+count. Reported: output tokens/s (all tokens / time from first arrival to last token), TTFT
+p50/p95 (first token - arrival, queueing included), inter-token gap p50/p95. Ratios are
+against the static baseline of the same workload in the same run.
+
+    .venv/bin/python bench/engine.py                       # SmolLM2-135M, ~5-8 min on 2 CPU cores
+    .venv/bin/python bench/engine.py --quick               # small smoke run
+    .venv/bin/python bench/engine.py --methods static,engine --workloads mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList  # noqa: E402
+
+from bench.common import percentile, table, write_json  # noqa: E402
+from shared.config import Settings  # noqa: E402
+from shared.streams import SamplingParams  # noqa: E402
+from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child in simple words.",
+    "List three fruits and their colours.",
+    "Give me a short recipe for pancakes.",
+    "Why is the sky blue?",
+]
+CONTEXT = ("The history of the city spans many centuries. It began as a small fishing village on the "
+           "river, grew into a market town, became a regional capital and finally an industrial centre "
+           "with railways, factories, universities and museums. ")
+
+
+@dataclass
+class Req:
+    idx: int
+    arrival: float          # seconds after the start of the run
+    prompt: list[int]
+    n: int                  # output tokens to produce
+    times: list[float] = field(default_factory=list)  # perf_counter of each output token
+
+
+def make_workload(kind: str, tok, args) -> list[Req]:
+    rng = random.Random(args.seed)
+    chats = [build_prompt_ids(tok, None, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    if kind == "uniform":
+        return [Req(i, 0.0, chats[i % len(chats)], args.uniform_tokens) for i in range(args.uniform_requests)]
+    reqs, t = [], 0.0
+    for i in range(args.mixed_requests):
+        if i:
+            t += rng.expovariate(args.rate)
+        n = int(round(math.exp(rng.uniform(math.log(args.min_tokens), math.log(args.max_tokens)))))
+        question = rng.choice(QUESTIONS)
+        if rng.random() < 0.3:  # some long prompts (a few hundred tokens): chunked prefill matters
+            question = CONTEXT * rng.randint(2, 6) + question
+        reqs.append(Req(i, t, build_prompt_ids(tok, None, [{"role": "user", "content": question}]), n))
+    return reqs
+
+
+class StepClock(LogitsProcessor):
+    """Records when generate() produces each token (called once per step, before sampling)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _generate(model, tok, reqs: list[Req]) -> None:
+    """One left-padded generate() call for `reqs`, to the longest one's length; each request
+    keeps the timestamps of its own tokens."""
+    width = max(len(r.prompt) for r in reqs)
+    pad = tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in reqs])
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in reqs])
+    steps = max(r.n for r in reqs)
+    clock = StepClock()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                       do_sample=False, pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))
+    for r in reqs:
+        r.times = clock.times[: r.n]
+
+
+def _wait_until(t_abs: float) -> None:
+    delay = t_abs - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def run_sequential(model, tok, reqs, args, t0):
+    for r in sorted(reqs, key=lambda r: r.arrival):
+        _wait_until(t0 + r.arrival)
+        _generate(model, tok, [r])
+
+
+def run_static(model, tok, reqs, args, t0):
+    queue = sorted(reqs, key=lambda r: r.arrival)
+    while queue:
+        now = time.perf_counter() - t0
+        arrived = [r for r in queue if r.arrival <= now]
+        if not arrived:
+            _wait_until(t0 + queue[0].arrival)
+            continue
+        if len(arrived) < args.batch and now < arrived[0].arrival + args.static_wait and len(arrived) < len(queue):
+            nxt = queue[len(arrived)].arrival
+            _wait_until(t0 + min(nxt, arrived[0].arrival + args.static_wait))
+            continue
+        batch = arrived[: args.batch]
+        for r in batch:
+            queue.remove(r)
+        _generate(model, tok, batch)
+
+
+def run_hf_cb(model, tok, reqs, args, t0):
+    gc = GenerationConfig(max_new_tokens=max(r.n for r in reqs), do_sample=False, eos_token_id=-1,
+                          pad_token_id=tok.eos_token_id)
+    mgr = model.init_continuous_batching(generation_config=gc)
+    mgr.start()
+    try:
+        pending = sorted(reqs, key=lambda r: r.arrival)
+        by_id = {}
+        done = 0
+        while done < len(reqs):
+            now = time.perf_counter() - t0
+            while pending and pending[0].arrival <= now:
+                r = pending.pop(0)
+                rid = mgr.add_request(r.prompt, request_id=f"r{r.idx}", max_new_tokens=r.n,
+                                      record_timestamps=True, eos_token_id=-1)
+                if rid is None:
+                    raise RuntimeError("manager refused a request")
+                by_id[rid] = r
+            timeout = 0.05 if not pending else max(0.001, min(0.05, t0 + pending[0].arrival - time.perf_counter()))
+            res = mgr.get_result(timeout=timeout)
+            if res is None:
+                if not mgr.is_running():
+                    raise RuntimeError("continuous batching thread stopped")
+                continue
+            if res.error:
+                raise RuntimeError(res.error)
+            if res.is_finished():
+                r = by_id[res.request_id]
+                r.times = list(res.timestamps or [])[: r.n]
+                if len(r.times) != r.n:
+                    raise RuntimeError(f"got {len(r.times)} timestamps for {r.n} tokens")
+                done += 1
+    finally:
+        mgr.stop(block=True, timeout=30)
+        model.destroy_cached_continuous_batching_manager()
+        model.set_attn_implementation("sdpa")
+
+
+def run_engine(model, tok, reqs, args, t0):
+    max_len = max(len(r.prompt) + r.n for r in reqs)
+    engine = Engine(model, tok, EngineConfig(max_batch=args.batch, max_seq_len=max_len,
+                                             prefill_chunk=args.prefill_chunk))
+    engine.eos_ids = set()  # forced lengths, as for the other methods
+    pending = sorted(reqs, key=lambda r: r.arrival)
+    by_rid = {}
+    try:
+        while pending or engine.has_work:
+            now = time.perf_counter() - t0
+            while pending and pending[0].arrival <= now:
+                r = pending.pop(0)
+                by_rid[str(r.idx)] = r
+                engine.add(EngineRequest(str(r.idx), r.prompt, SamplingParams(max_tokens=r.n, temperature=0.0)))
+            if not engine.has_work:
+                _wait_until(t0 + pending[0].arrival)
+                continue
+            outs = engine.step()
+            stamp = time.perf_counter()
+            for o in outs:
+                by_rid[o.rid].times.extend([stamp] * len(o.token_ids))
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+METHODS = {"sequential": run_sequential, "static": run_static, "hf_cb": run_hf_cb, "engine": run_engine}
+
+
+def summarize(reqs: list[Req], t0: float) -> dict:
+    tokens = sum(len(r.times) for r in reqs)
+    end = max(r.times[-1] for r in reqs)
+    ttft = [r.times[0] - (t0 + r.arrival) for r in reqs]
+    gaps = [b - a for r in reqs for a, b in zip(r.times, r.times[1:])]
+    return {
+        "output_tokens": tokens, "seconds": end - t0, "tok_s": tokens / (end - t0),
+        "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p95_ms": 1000 * percentile(ttft, 95),
+        "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p95_ms": 1000 * percentile(gaps, 95),
+    }
+
+
+def warm_up(model, tok, args):
+    """First calls allocate and pick kernels; keep that out of every method's timing."""
+    prompt = build_prompt_ids(tok, None, [{"role": "user", "content": "Hello"}])
+    _generate(model, tok, [Req(0, 0, prompt, 4), Req(1, 0, prompt, 4)])
+    engine = Engine(model, tok, EngineConfig(max_batch=2, max_seq_len=64))
+    engine.add(EngineRequest("w", prompt, SamplingParams(max_tokens=4, temperature=0.0)))
+    while engine.has_work:
+        engine.step()
+    model.set_attn_implementation("sdpa")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="", help="HF model dir; default SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--methods", default="sequential,static,hf_cb,engine")
+    ap.add_argument("--workloads", default="uniform,mixed")
+    ap.add_argument("--batch", type=int, default=16, help="static batch size = engine max_batch")
+    ap.add_argument("--uniform-requests", type=int, default=16)
+    ap.add_argument("--uniform-tokens", type=int, default=64)
+    ap.add_argument("--mixed-requests", type=int, default=24)
+    ap.add_argument("--min-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--rate", type=float, default=2.0, help="mixed arrivals per second (Poisson)")
+    ap.add_argument("--static-wait", type=float, default=0.5, help="static batcher's max wait to fill a batch (s)")
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+    args = ap.parse_args()
+    if args.quick:
+        args.uniform_requests, args.uniform_tokens, args.mixed_requests, args.max_tokens = 4, 8, 6, 32
+
+    settings = Settings(model_path=args.model_path, device="cpu", dtype="float32", torch_threads=args.threads)
+    model, tok = load_model(settings)
+    model.set_attn_implementation("sdpa")
+    warm_up(model, tok, args)
+    methods = [m for m in args.methods.split(",") if m]
+    rows, results = [], {}
+    for kind in [w for w in args.workloads.split(",") if w]:
+        results[kind] = {}
+        for name in methods:
+            reqs = make_workload(kind, tok, args)
+            print(f"[{kind}] {name}: {len(reqs)} requests, {sum(r.n for r in reqs)} output tokens ...", flush=True)
+            t0 = time.perf_counter()
+            try:
+                METHODS[name](model, tok, reqs, args, t0)
+                stats = summarize(reqs, t0)
+            except Exception as exc:  # e.g. transformers' CB on an unsupported setup: record, go on
+                stats = {"error": f"{type(exc).__name__}: {exc}"}
+                model.set_attn_implementation("sdpa")
+            results[kind][name] = stats
+            print(f"    {stats}", flush=True)
+        base = results[kind].get("static", {})
+        for name, stats in results[kind].items():
+            row = {"workload": kind, "method": name, **stats}
+            if "error" in row:
+                row["error"] = row["error"][:60]
+            if "tok_s" in stats and "tok_s" in base:
+                row["x_static_tok_s"] = stats["tok_s"] / base["tok_s"]
+                row["static_ttft_p95_ratio"] = base["ttft_p95_ms"] / stats["ttft_p95_ms"]
+            rows.append(row)
+    columns = ["workload", "method", "output_tokens", "seconds", "tok_s", "x_static_tok_s", "ttft_p50_ms",
+               "ttft_p95_ms", "static_ttft_p95_ratio", "itl_p50_ms", "itl_p95_ms", "error"]
+    print()
+    print(table(rows, columns))
+    path = write_json("engine", {
+        "baseline": "static", "model": args.model_path or "SmolLM2-135M-Instruct (GGUF, fp32, CPU)",
+        "device": "cpu", "torch_threads": torch.get_num_threads(), "args": vars(args), "results": results,
+        "rows": rows,
+    })
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
