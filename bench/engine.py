@@ -16,11 +16,12 @@ Workloads:
             seed, prompts of mixed length, Poisson arrivals at --rate requests/s
 
 Output lengths are forced (EOS disabled everywhere) so every method produces the same tokens
-count. Reported: output tokens/s (all tokens / time from first arrival to last token), TTFT
+count. Set-up outside the timed region: the engine's KV cache allocation and the transformers
+manager's start. Reported: output tokens/s (all tokens / time from first arrival to last token), TTFT
 p50/p95 (first token - arrival, queueing included), inter-token gap p50/p95. Ratios are
 against the static baseline of the same workload in the same run.
 
-    .venv/bin/python bench/engine.py                       # SmolLM2-135M, ~5-8 min on 2 CPU cores
+    .venv/bin/python bench/engine.py                       # SmolLM2-135M, ~5-6 min on 2 CPU cores
     .venv/bin/python bench/engine.py --quick               # small smoke run
     .venv/bin/python bench/engine.py --methods static,engine --workloads mixed
 """
@@ -119,13 +120,26 @@ def _wait_until(t_abs: float) -> None:
         time.sleep(delay)
 
 
-def run_sequential(model, tok, reqs, args, t0):
-    for r in sorted(reqs, key=lambda r: r.arrival):
-        _wait_until(t0 + r.arrival)
-        _generate(model, tok, [r])
+# Each method prepares outside the timed region (allocations, manager start-up) and returns
+# (run(t0), cleanup()).
+
+def _no_cleanup():
+    pass
 
 
-def run_static(model, tok, reqs, args, t0):
+def prepare_sequential(model, tok, reqs, args):
+    def run(t0):
+        for r in sorted(reqs, key=lambda r: r.arrival):
+            _wait_until(t0 + r.arrival)
+            _generate(model, tok, [r])
+    return run, _no_cleanup
+
+
+def prepare_static(model, tok, reqs, args):
+    return (lambda t0: _run_static(model, tok, reqs, args, t0)), _no_cleanup
+
+
+def _run_static(model, tok, reqs, args, t0):
     queue = sorted(reqs, key=lambda r: r.arrival)
     while queue:
         now = time.perf_counter() - t0
@@ -143,12 +157,18 @@ def run_static(model, tok, reqs, args, t0):
         _generate(model, tok, batch)
 
 
-def run_hf_cb(model, tok, reqs, args, t0):
+def prepare_hf_cb(model, tok, reqs, args):
     gc = GenerationConfig(max_new_tokens=max(r.n for r in reqs), do_sample=False, eos_token_id=-1,
                           pad_token_id=tok.eos_token_id)
     mgr = model.init_continuous_batching(generation_config=gc)
     mgr.start()
-    try:
+
+    def cleanup():
+        mgr.stop(block=True, timeout=30)
+        model.destroy_cached_continuous_batching_manager()
+        model.set_attn_implementation("sdpa")
+
+    def run(t0):
         pending = sorted(reqs, key=lambda r: r.arrival)
         by_id = {}
         done = 0
@@ -175,20 +195,18 @@ def run_hf_cb(model, tok, reqs, args, t0):
                 if len(r.times) != r.n:
                     raise RuntimeError(f"got {len(r.times)} timestamps for {r.n} tokens")
                 done += 1
-    finally:
-        mgr.stop(block=True, timeout=30)
-        model.destroy_cached_continuous_batching_manager()
-        model.set_attn_implementation("sdpa")
+    return run, cleanup
 
 
-def run_engine(model, tok, reqs, args, t0):
+def prepare_engine(model, tok, reqs, args):
     max_len = max(len(r.prompt) + r.n for r in reqs)
     engine = Engine(model, tok, EngineConfig(max_batch=args.batch, max_seq_len=max_len,
                                              prefill_chunk=args.prefill_chunk))
     engine.eos_ids = set()  # forced lengths, as for the other methods
-    pending = sorted(reqs, key=lambda r: r.arrival)
-    by_rid = {}
-    try:
+
+    def run(t0):
+        pending = sorted(reqs, key=lambda r: r.arrival)
+        by_rid = {}
         while pending or engine.has_work:
             now = time.perf_counter() - t0
             while pending and pending[0].arrival <= now:
@@ -202,11 +220,11 @@ def run_engine(model, tok, reqs, args, t0):
             stamp = time.perf_counter()
             for o in outs:
                 by_rid[o.rid].times.extend([stamp] * len(o.token_ids))
-    finally:
-        model.set_attn_implementation("sdpa")
+    return run, lambda: model.set_attn_implementation("sdpa")
 
 
-METHODS = {"sequential": run_sequential, "static": run_static, "hf_cb": run_hf_cb, "engine": run_engine}
+METHODS = {"sequential": prepare_sequential, "static": prepare_static, "hf_cb": prepare_hf_cb,
+           "engine": prepare_engine}
 
 
 def summarize(reqs: list[Req], t0: float) -> dict:
@@ -240,7 +258,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="static batch size = engine max_batch")
     ap.add_argument("--uniform-requests", type=int, default=16)
     ap.add_argument("--uniform-tokens", type=int, default=64)
-    ap.add_argument("--mixed-requests", type=int, default=24)
+    ap.add_argument("--mixed-requests", type=int, default=18)
     ap.add_argument("--min-tokens", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--rate", type=float, default=2.0, help="mixed arrivals per second (Poisson)")
@@ -264,12 +282,16 @@ def main() -> None:
         for name in methods:
             reqs = make_workload(kind, tok, args)
             print(f"[{kind}] {name}: {len(reqs)} requests, {sum(r.n for r in reqs)} output tokens ...", flush=True)
-            t0 = time.perf_counter()
+            cleanup = _no_cleanup
             try:
-                METHODS[name](model, tok, reqs, args, t0)
+                run, cleanup = METHODS[name](model, tok, reqs, args)
+                t0 = time.perf_counter()
+                run(t0)
                 stats = summarize(reqs, t0)
             except Exception as exc:  # e.g. transformers' CB on an unsupported setup: record, go on
                 stats = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                cleanup()
                 model.set_attn_implementation("sdpa")
             results[kind][name] = stats
             print(f"    {stats}", flush=True)

@@ -106,7 +106,11 @@ class Engine:
         layers, kv_heads, head_dim = model_kv_shape(model.config)
         text_config = model.config.get_text_config()
         self._groups = text_config.num_attention_heads // kv_heads
+        param = next(model.parameters())
         self.device = torch.device(config.device)
+        if param.device.type != self.device.type or param.dtype != config.dtype:
+            raise ValueError(f"model is on {param.device}/{param.dtype}, engine config says "
+                             f"{config.device}/{config.dtype}")
         self.cache = SlotKVCache(layers=layers, slots=config.max_batch, kv_heads=kv_heads,
                                  max_seq_len=config.max_seq_len, head_dim=head_dim,
                                  dtype=config.dtype, device=config.device)
