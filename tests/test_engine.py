@@ -253,6 +253,9 @@ def test_invalid_requests_are_rejected_without_harm(model, tokenizer):
         (EngineRequest("ok", ids(tokenizer, "Hi"), greedy(3)), ErrorCode.DUPLICATE_ID),
         (EngineRequest("empty", [], greedy(3)), ErrorCode.INVALID_REQUEST),
         (EngineRequest("bad", ids(tokenizer, "Hi"), SamplingParams(max_tokens=0)), ErrorCode.INVALID_REQUEST),
+        (EngineRequest("oov", [1, len(tokenizer) + 5], greedy(3)), ErrorCode.INVALID_REQUEST),
+        (EngineRequest("neg", [-1], greedy(3)), ErrorCode.INVALID_REQUEST),
+        (EngineRequest("lane", [1], greedy(3), priority="urgent"), ErrorCode.INVALID_REQUEST),
     ]:
         with pytest.raises(EngineRejected) as exc:
             engine.add(req)

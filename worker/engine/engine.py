@@ -116,6 +116,7 @@ class Engine:
                                  dtype=config.dtype, device=config.device)
         self.budget = TokenBudget(config.token_budget)
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self._waiting: WaitingQueue[_Sequence] = WaitingQueue()
         self._by_rid: dict[str, _Sequence] = {}
         self._running: list[_Sequence] = []   # admission order
@@ -153,6 +154,8 @@ class Engine:
             raise EngineRejected(ErrorCode.DUPLICATE_ID, f"request {req.rid!r} is already in the engine")
         if not req.prompt_ids:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "empty prompt")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.vocab_size:
+            raise EngineRejected(ErrorCode.INVALID_REQUEST, "prompt token id outside the vocabulary")
         if p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or req.skip_tokens < 0:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "invalid sampling parameters")
         if req.priority not in ("interactive", "batch"):
