@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     kv_cache_tokens: int = Field(0, description="KV-cache token budget for admission; 0 = max_batch * max_seq_len")
     prefill_chunk: int = Field(256, description="prompt tokens processed per step (chunked prefill)")
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch default")
+    shutdown_grace_s: float = Field(30.0, description="on SIGTERM a worker finishes running requests this long, then hands the rest back")
+    max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")
+    output_buffer_max: int = Field(4096, description="step outputs a worker buffers while Redis is unreachable before pausing the engine")
 
     admin_token: SecretStr = Field(SecretStr(""), description="bearer token for admin endpoints")
 

@@ -1,0 +1,118 @@
+"""A real `python -m worker` process on the tiny model, driven through Redis as a gateway would."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+
+from shared.backlog import live_workers, queue_depth
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys
+from tests.stack_fixtures import start_worker
+from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
+
+
+@pytest.fixture(scope="module")
+def worker_env(redis_server, tiny_model_dir, tmp_path_factory):
+    prefix = f"wsvc{int(time.time() * 1000) % 10**8}"
+    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("wlogs"),
+                        name="w-svc", env={"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200,
+                                           "CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5})
+    yield Keys(prefix), proc
+    proc.stop()
+
+
+async def test_streams_tokens_and_acks(worker_env, redis_client):
+    keys, proc = worker_env
+    rid = await submit(redis_client, keys, max_tokens=12)
+    events = await read_events(redis_client, keys, rid)
+    check_seqs(events)
+    done = events[-1]
+    assert done["k"] == "done" and done["finish_reason"] in ("stop", "length")
+    toks = [e for e in events if e["k"] == "tok"]
+    assert sum(e["n"] for e in toks) == done["usage"]["completion_tokens"] <= 12
+    assert toks[-1]["t"] == done["usage"]["completion_tokens"]
+    assert done["usage"]["prompt_tokens"] > 0
+    # acked (nothing pending), owner key gone, output stream has a TTL
+    summary = await redis_client.xpending(keys.requests, CONSUMER_GROUP)
+    assert summary["pending"] == 0
+    assert await redis_client.get(keys.owner(rid)) is None
+    assert 0 < await redis_client.ttl(keys.out(rid)) <= 600
+
+
+async def test_greedy_is_reproducible_and_batched(worker_env, redis_client):
+    keys, _ = worker_env
+    rids = [await submit(redis_client, keys, max_tokens=20, prompt="Same prompt") for _ in range(6)]
+    texts = [text_of(await read_events(redis_client, keys, rid)) for rid in rids]
+    assert texts[0] and all(t == texts[0] for t in texts)
+
+
+async def test_registry_and_queue_depth(worker_env, redis_client):
+    keys, proc = worker_env
+    workers = await live_workers(redis_client, keys, worker_ttl_s=10)
+    assert [w.worker_id for w in workers] == ["w-svc"]
+    w = workers[0]
+    assert w.capacity == 4 and w.kv_total > 0 and w.pid == proc.pid
+    depth = await queue_depth(redis_client, keys)
+    assert depth.lag == 0 and depth.pending == 0
+
+
+async def test_cancel_reaches_owner_quickly(worker_env, redis_client):
+    keys, _ = worker_env
+    rid = await submit(redis_client, keys, max_tokens=900, prompt="Count forever")
+    await wait_for_tokens(redis_client, keys, rid, 3)
+    owner = (await redis_client.get(keys.owner(rid))).decode()
+    assert owner == "w-svc"
+    t0 = time.monotonic()
+    await redis_client.xadd(keys.ctl(owner), {ENTRY_FIELD: msgpack.packb({"v": 1, "k": "cancel", "rid": rid})})
+    events = await read_events(redis_client, keys, rid)
+    latency = events[-1]["_t"] - t0
+    assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "cancelled"
+    check_seqs(events)
+    assert events[-1]["usage"]["completion_tokens"] < 900
+    assert latency < 2.0, f"cancel-to-last-token {latency:.3f}s"  # generous sanity bound
+
+
+async def test_cancel_flag_before_claim(worker_env, redis_client):
+    keys, _ = worker_env
+    rid = new_rid()
+    await redis_client.set(keys.cancelled(rid), 1, ex=60)
+    await submit(redis_client, keys, rid, max_tokens=50)
+    events = await read_events(redis_client, keys, rid)
+    assert [e["k"] for e in events] == ["done"] and events[0]["finish_reason"] == "cancelled"
+
+
+async def test_context_too_long_and_prompt_too_large_are_typed(worker_env, redis_client):
+    keys, _ = worker_env
+    rid = await submit(redis_client, keys, max_tokens=1024, prompt="hello there")
+    ev = (await read_events(redis_client, keys, rid))[-1]
+    assert ev["k"] == "err" and ev["code"] == "context_too_long" and ev["retryable"] is False
+    rid = await submit(redis_client, keys, max_tokens=5, prompt="word " * 400)
+    ev = (await read_events(redis_client, keys, rid))[-1]
+    assert ev["k"] == "err" and ev["code"] == "prompt_too_large"
+
+
+async def test_poison_entries_go_to_dead_letter(worker_env, redis_client):
+    keys, proc = worker_env
+    bad_rid = new_rid()
+    await redis_client.xadd(keys.requests, {ENTRY_FIELD: b"\xc1 not msgpack"})
+    await redis_client.xadd(keys.requests, {b"other": b"field"})
+    await redis_client.xadd(keys.requests, {ENTRY_FIELD: msgpack.packb({"v": 1, "rid": bad_rid, "params": {"max_tokens": -3},
+                                                                         "prompt": "x"})})
+    await redis_client.xadd(keys.requests, {ENTRY_FIELD: msgpack.packb({"v": 99, "rid": "x"})})
+    good = await submit(redis_client, keys, max_tokens=5)
+    assert (await read_events(redis_client, keys, good))[-1]["k"] == "done"
+    ev = (await read_events(redis_client, keys, bad_rid))[-1]
+    assert ev["k"] == "err" and ev["code"] == "invalid_request" and ev["retryable"] is False
+    deadline = time.monotonic() + 10
+    while await redis_client.xlen(keys.dead) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    dead = await redis_client.xrange(keys.dead)
+    assert len(dead) == 4
+    reasons = [f[b"reason"].decode() for _, f in dead]
+    assert any("undecodable" in r for r in reasons) and any("version" in r for r in reasons)
+    assert dead[0][1][b"raw"] == b"\xc1 not msgpack"
+    assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+    assert proc.alive()

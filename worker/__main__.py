@@ -1,0 +1,54 @@
+"""`python -m worker`: load the model, then serve requests from Redis until SIGTERM/SIGINT.
+
+SIGTERM is a graceful stop (see worker.service): no new requests, running ones get
+`SHUTDOWN_GRACE_S` to finish, the rest are handed back to other workers; exit code 0.
+A second signal stops at once (requests still pending are claimed by others after
+`CLAIM_IDLE_MS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from shared.config import get_settings
+from worker.model_files import SMOLLM2_GGUF
+
+
+def main() -> int:
+    settings = get_settings()
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    print(settings.log_line("worker"), flush=True)
+    from worker.engine import Engine, EngineConfig, load_model
+    from worker.service import WorkerService
+
+    model, tokenizer = load_model(settings)
+    engine = Engine(model, tokenizer, EngineConfig.from_settings(settings))
+    model_name = os.path.basename(settings.model_path.rstrip("/")) if settings.model_path else SMOLLM2_GGUF
+    service = WorkerService(settings, engine, model_name=model_name)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        signals = {"count": 0}
+
+        def on_signal(signum: int) -> None:
+            signals["count"] += 1
+            if signals["count"] > 1:
+                logging.getLogger("worker").warning("second signal: exiting now")
+                os._exit(1)
+            logging.getLogger("worker").info("signal %d: draining", signum)
+            service.request_stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await service.run()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The engine's own thread: the only place `Engine` methods are called (it is not thread-safe).
+
+The asyncio side (Redis I/O) talks to it through a thread-safe inbox of add/cancel/drop commands
+that is drained before every step, so a cancel takes effect at the next step boundary. Step
+outputs go out through a bounded buffer: when the writer cannot keep up (Redis down), the
+engine pauses instead of growing memory without bound, and resumes when the buffer drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from shared.errors import ErrorCode
+from shared.streams import RequestEntry
+from worker.engine import Engine, EngineRejected, EngineRequest, StepOutput, build_prompt_ids
+
+log = logging.getLogger("worker.engine")
+
+
+@dataclass
+class Add:
+    entry: RequestEntry
+    skip_tokens: int = 0
+
+
+@dataclass
+class Cancel:
+    rid: str
+    silent: bool = False  # drop without a final output (the request was handed to another worker)
+
+
+def error_output(rid: str, code: ErrorCode, message: str, prompt_tokens: int = 0) -> StepOutput:
+    return StepOutput(rid=rid, text="", token_ids=[], finished=True, finish_reason="error",
+                      prompt_tokens=prompt_tokens, completion_tokens=0, error_code=code, error_message=message)
+
+
+class EngineThread:
+    def __init__(self, engine: Engine, *, max_prompt_tokens: int, buffer_max: int,
+                 on_output: Callable[[], None]):
+        self.engine = engine
+        self.max_prompt_tokens = max_prompt_tokens
+        self.buffer_max = buffer_max
+        self._on_output = on_output          # called (from this thread) when outputs are buffered
+        self._inbox: deque = deque()
+        self._outputs: deque[list[StepOutput]] = deque()
+        self._buffered = 0
+        self._cond = threading.Condition()
+        self._silent: set[str] = set()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+        # load figures for the registry, refreshed after each step (plain ints: safe to read)
+        self.running = 0
+        self.waiting = 0
+        self.kv_used = 0
+        self.kv_total = engine.kv_tokens_total
+
+    # ---- called from the asyncio side -----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, command: Add | Cancel) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify_all()
+
+    def take_outputs(self) -> list[StepOutput]:
+        """Everything buffered so far, in step order; unpauses the engine."""
+        with self._cond:
+            batches = list(self._outputs)
+            self._outputs.clear()
+            self._buffered = 0
+            self._cond.notify_all()
+        return [o for batch in batches for o in batch]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # ---- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (self._buffered >= self.buffer_max
+                                          or (not self._inbox and not self.engine.has_work)):
+                    self._cond.wait(1.0)
+                if self._stop:
+                    return
+                commands = list(self._inbox)
+                self._inbox.clear()
+            produced: list[StepOutput] = []
+            for command in commands:
+                produced.extend(self._apply(command))
+            if self.engine.has_work:
+                try:
+                    produced.extend(self.engine.step())
+                    self.steps += 1
+                except Exception:  # the engine catches forward errors itself; this is a last resort
+                    log.exception("engine step raised; failing its requests")
+                    produced.extend(self._fail_all())
+            produced = [o for o in produced if not self._swallow(o)]
+            self.running, self.waiting = self.engine.num_running, self.engine.num_waiting
+            self.kv_used = self.engine.kv_tokens_used
+            if produced:
+                with self._cond:
+                    self._outputs.append(produced)
+                    self._buffered += len(produced)
+                self._on_output()
+
+    def _apply(self, command: Add | Cancel) -> list[StepOutput]:
+        if isinstance(command, Cancel):
+            if self.engine.cancel(command.rid) and command.silent:
+                self._silent.add(command.rid)
+            return []
+        entry = command.entry
+        try:
+            ids = build_prompt_ids(self.engine.tokenizer, entry.prompt, entry.messages)
+        except Exception as exc:
+            return [error_output(entry.rid, ErrorCode.INVALID_REQUEST, f"could not build the prompt: {exc}")]
+        if len(ids) > self.max_prompt_tokens:
+            return [error_output(entry.rid, ErrorCode.PROMPT_TOO_LARGE,
+                                 f"prompt is {len(ids)} tokens, the limit is {self.max_prompt_tokens}", len(ids))]
+        try:
+            self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,
+                                          priority=entry.priority, skip_tokens=command.skip_tokens))
+        except EngineRejected as exc:
+            return [error_output(entry.rid, exc.code, exc.message, len(ids))]
+        return []
+
+    def _swallow(self, out: StepOutput) -> bool:
+        """Final outputs of silently dropped requests are not reported."""
+        if out.rid in self._silent and out.finished:
+            self._silent.discard(out.rid)
+            return True
+        return out.rid in self._silent
+
+    def _fail_all(self) -> list[StepOutput]:
+        outs = []
+        for rid in list(self.engine._by_rid):
+            self.engine.cancel(rid)
+        for out in self.engine.step():
+            outs.append(error_output(out.rid, ErrorCode.INTERNAL, "engine failure", out.prompt_tokens))
+        return outs
+
+
+def notify_loop(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+    """A thread-safe callback that sets an asyncio.Event on `loop`."""
+    def notify() -> None:
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+    return notify

@@ -1,0 +1,76 @@
+"""Redis connections for the worker, and the retry loop every Redis call path goes through.
+
+redis-py's own `Retry(ExponentialBackoff)` rides out a single dropped connection inside one
+command; `with_backoff` covers longer outages (a Redis restart takes seconds): it retries the
+whole operation with capped exponential backoff and jitter until it succeeds or the worker
+stops, so no loop ever dies on a connection error and nothing spins hot while Redis is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Awaitable, Callable, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+log = logging.getLogger("worker.redis")
+
+T = TypeVar("T")
+
+# Errors that mean "Redis is (temporarily) not there"; anything else is a real bug or bad data.
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+
+
+def connect(url: str, *, socket_timeout: float | None = 10.0) -> aioredis.Redis:
+    """A client whose single commands survive a dropped connection (3 quick retries)."""
+    return aioredis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=2.0,
+        health_check_interval=15,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError],
+    )
+
+
+class Backoff:
+    """Capped exponential backoff with full jitter (the AWS architecture-blog variant)."""
+
+    def __init__(self, base: float = 0.05, cap: float = 2.0):
+        self.base = base
+        self.cap = cap
+        self.failures = 0
+
+    def reset(self) -> None:
+        self.failures = 0
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return random.uniform(0, min(self.cap, self.base * 2 ** self.failures))
+
+
+async def with_backoff(op: Callable[[], Awaitable[T]], what: str, stopping: Callable[[], bool] = lambda: False,
+                       backoff: Backoff | None = None) -> T:
+    """Run `op` until it succeeds; transient Redis errors are retried, others raised.
+    Raises asyncio.CancelledError if `stopping()` turns true while Redis is down."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            result = await op()
+            if backoff.failures:
+                log.warning("redis back after %d failed attempts (%s)", backoff.failures, what)
+            backoff.reset()
+            return result
+        except TRANSIENT as exc:
+            if stopping():
+                raise asyncio.CancelledError(f"stopping while redis is down ({what})") from exc
+            delay = backoff.next_delay()
+            if backoff.failures in (1, 5) or backoff.failures % 20 == 0:
+                log.warning("redis unavailable during %s (%s: %s); retry %d in %.2fs",
+                            what, type(exc).__name__, exc, backoff.failures, delay)
+            await asyncio.sleep(delay)
