@@ -41,7 +41,7 @@ from stack import nginx_binary  # noqa: E402
 
 pytestmark = pytest.mark.skipif(nginx_binary() is None, reason="nginx not installed (scripts/setup.sh --proxy)")
 
-LONG = 600  # tokens: long enough (a few seconds on the tiny model) to interrupt mid-stream
+LONG = 1800  # tokens: a few seconds on the tiny model, long enough to interrupt mid-stream
 
 
 def _alive(pid: int) -> bool:
@@ -98,7 +98,9 @@ def stack(tmp_path_factory, tiny_model_dir):
         "MODEL_PATH": str(tiny_model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1",
         "STREAM_PREFIX": f"topo{uuid.uuid4().hex[:6]}", "GATEWAY_HOST": "127.0.0.1",
         "RESUME_GRACE_S": "20", "HEARTBEAT_S": "2", "CLAIM_IDLE_MS": "3000",
-        "MAX_SEQ_LEN": "1024", "MAX_BATCH": "8", "PYTHONUNBUFFERED": "1",
+        # a short drain, so a SIGTERMed worker hands its running requests back (the path under test)
+        "SHUTDOWN_GRACE_S": "0.5",
+        "MAX_BATCH": "8", "PYTHONUNBUFFERED": "1",
     })
     state_file = run_dir / "stack.json"
     with open(log, "wb") as out:
@@ -259,6 +261,11 @@ async def test_worker_sigterm_mid_stream_finishes_or_hands_back(stack):
         for cid in ids:
             assert_finished_whole(stack, client, cid)
         assert _wait_gone(victim["pid"], 40), "the worker did not exit after SIGTERM"
+        # with a 0.5 s drain the long requests cannot finish in time: the path under test is the
+        # hand-back, visible in the workers' own logs (the other worker replays from the last seq)
+        log = stack.log_tail(200_000)
+        assert "handed back" in log
+        assert any(f"replaying {client.accepted[cid]}" in log for cid in ids), log[-3000:]
         assert stack.proc.poll() is None, "the stack must keep running with one worker left"
 
         # the remaining worker serves new work
