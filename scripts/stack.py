@@ -120,6 +120,7 @@ class Stack:
     def __init__(self, args: argparse.Namespace, settings: Settings):
         self.args = args
         self.settings = settings
+        self.own_run_dir = not args.run_dir  # a temp dir we made is removed again at shutdown
         self.run_dir = Path(args.run_dir).resolve() if args.run_dir else Path(tempfile.mkdtemp(prefix="llm-stack-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis: LocalRedis | None = None
@@ -314,6 +315,8 @@ class Stack:
         if self.redis:
             self.redis.stop()
             _log("redis-server stopped")
+        if self.own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         _log("stopped " + ("cleanly" if clean else "with errors"))
         return 0 if clean else 1
 
@@ -327,10 +330,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="first gateway port, the next ones follow (default GATEWAY_PORT; 0 = free ports)")
     p.add_argument("--proxy-port", type=int, default=8080, help="nginx port (default 8080; 0 = a free port)")
     p.add_argument("--redis-port", type=int, default=0, help="embedded Redis port (default: a free port)")
-    p.add_argument("--run-dir", default="", help="Redis data, nginx config and stack.json (default: a temp dir)")
+    p.add_argument("--run-dir", default="",
+                   help="Redis data (AOF), nginx config and stack.json; kept (default: a temp dir, removed at exit)")
     p.add_argument("--state-file", default="", help="where to write the JSON state (default RUN_DIR/stack.json)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for every child to become ready")
-    p.add_argument("--grace", type=float, default=45.0, help="seconds children get to drain after SIGTERM")
+    p.add_argument("--grace", type=float, default=None,
+                   help="seconds children get to drain after SIGTERM (default: SHUTDOWN_GRACE_S + 15, at least 45)")
     return p.parse_args(argv)
 
 
@@ -340,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print("stack: need at least one gateway and one worker", file=sys.stderr)
         return 2
     settings = Settings()
+    if args.grace is None:  # outlast the workers' own drain, or they get SIGKILLed mid-hand-back
+        args.grace = max(45.0, getattr(settings, "shutdown_grace_s", 30.0) + 15.0)
     print(settings.log_line("stack"), flush=True)
     stack = Stack(args, settings)
 
