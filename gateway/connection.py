@@ -438,7 +438,7 @@ class Connection:
 
     async def _flush_request(self, req: RequestState, now: float) -> None:
         if req.buffer.due(now) or (req.final is not None and not req.buffer.empty):
-            pending = req.buffer.take()
+            pending = req.buffer.take(now)
             await self._send_chunk(req, pending.text, pending.tokens, pending.seq)
         if req.final is not None and req.buffer.empty and not req.finished:
             await self._finish(req)

@@ -27,7 +27,7 @@ class ChunkBuffer:
         self._tokens = 0
         self._seq = 0
         self._since: float | None = None    # when the oldest buffered token arrived
-        self._flushed_any = False
+        self._last_flush: float | None = None
 
     def add(self, text: str, tokens: int, seq: int, now: float) -> None:
         if text:
@@ -45,22 +45,21 @@ class ChunkBuffer:
         """Should the buffer be sent now?"""
         if self._since is None:
             return False
-        return (
-            not self._flushed_any
-            or self.interval_s == 0.0
-            or self._tokens >= self.max_tokens
-            or now - self._since >= self.interval_s
-        )
+        return now >= self.deadline()
 
     def deadline(self) -> float | None:
-        """Monotonic time at which the buffer becomes due by age (None when empty)."""
+        """Monotonic time at which the buffer becomes due (None when empty).
+
+        The clock runs from the previous flush, so a steady stream gets one chunk per interval;
+        a token arriving after a pause longer than the interval goes out at once.
+        """
         if self._since is None:
             return None
-        if not self._flushed_any or self.interval_s == 0.0 or self._tokens >= self.max_tokens:
+        if self._last_flush is None or self.interval_s == 0.0 or self._tokens >= self.max_tokens:
             return self._since
-        return self._since + self.interval_s
+        return max(self._since, self._last_flush + self.interval_s)
 
-    def take(self) -> Pending | None:
+    def take(self, now: float) -> Pending | None:
         """Everything buffered as one chunk (also used to drain before `done`)."""
         if self._since is None:
             return None
@@ -68,5 +67,5 @@ class ChunkBuffer:
         self._parts.clear()
         self._tokens = 0
         self._since = None
-        self._flushed_any = True
+        self._last_flush = now
         return out

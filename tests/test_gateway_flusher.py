@@ -1,41 +1,50 @@
-"""Chunk buffer policy: first token at once, then by age or by token count; 0 ms = per token."""
+"""Chunk buffer policy: first token at once, then by time since the last flush or by token
+count; a token after a long pause goes at once; 0 ms = per token."""
 
 from gateway.flusher import ChunkBuffer
 
 
-def test_first_token_is_due_immediately_then_time_threshold():
+def test_first_token_is_due_immediately_then_one_chunk_per_interval():
     buf = ChunkBuffer(interval_s=0.04, max_tokens=24)
     buf.add("a", 1, 1, now=10.0)
     assert buf.due(10.0)
-    assert buf.take().text == "a"
-    buf.add("b", 1, 2, now=10.001)
-    buf.add("c", 1, 3, now=10.02)
-    assert not buf.due(10.03)
-    assert buf.deadline() == 10.001 + 0.04
-    assert buf.due(10.041 + 0.001)
-    chunk = buf.take()
+    assert buf.take(10.0).text == "a"
+    buf.add("b", 1, 2, now=10.02)
+    buf.add("c", 1, 3, now=10.03)
+    assert not buf.due(10.035)
+    assert buf.deadline() == 10.04                 # interval counted from the last flush
+    assert buf.due(10.04)
+    chunk = buf.take(10.04)
     assert (chunk.text, chunk.tokens, chunk.seq) == ("bc", 2, 3)
-    assert buf.empty and buf.take() is None and buf.deadline() is None
+    assert buf.empty and buf.take(10.05) is None and buf.deadline() is None
+
+
+def test_token_after_a_pause_longer_than_the_interval_is_sent_at_once():
+    buf = ChunkBuffer(interval_s=0.04, max_tokens=24)
+    buf.add("a", 1, 1, now=0.0)
+    buf.take(0.0)
+    buf.add("b", 1, 2, now=0.5)
+    assert buf.due(0.5)
 
 
 def test_token_threshold_flushes_before_the_interval():
     buf = ChunkBuffer(interval_s=10.0, max_tokens=4)
     buf.add("x", 1, 1, now=0.0)
-    buf.take()
+    buf.take(0.0)
     for i in range(2, 5):
         buf.add("y", 1, i, now=0.001 * i)
         assert not buf.due(0.01)
     buf.add("z", 1, 5, now=0.006)
     assert buf.due(0.006)
-    assert buf.take().tokens == 4
+    assert buf.take(0.006).tokens == 4
 
 
 def test_zero_interval_flushes_every_token_and_coalesces_a_backlog():
     buf = ChunkBuffer(interval_s=0.0, max_tokens=24)
     buf.add("a", 1, 1, now=1.0)
-    buf.take()
+    buf.take(1.0)
     buf.add("b", 1, 2, now=1.0)
     assert buf.due(1.0)
     buf.add("c", 2, 3, now=1.0)     # sender was busy: the two events merge into one frame
-    chunk = buf.take()
+    chunk = buf.take(1.0)
     assert (chunk.text, chunk.tokens, chunk.seq) == ("bc", 3, 3)
