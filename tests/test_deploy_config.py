@@ -192,7 +192,8 @@ needs_nginx = pytest.mark.skipif(nginx_binary() is None, reason="nginx not insta
 @needs_nginx
 def test_nginx_compose_config_passes_nginx_t(tmp_path):
     conf = (ROOT / "deploy" / "nginx" / "compose.conf").read_text()
-    conf = conf.replace("/etc/nginx/llm/", f"{ROOT}/deploy/nginx/").replace("/tmp/", f"{tmp_path}/")
+    # temp paths first: the checkout itself may live under /tmp
+    conf = conf.replace("/tmp/", f"{tmp_path}/").replace("/etc/nginx/llm/", f"{ROOT}/deploy/nginx/")
     (tmp_path / "nginx.conf").write_text(conf)
     proc = subprocess.run([nginx_binary(), "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
                           capture_output=True, text=True, timeout=30)
