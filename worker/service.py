@@ -42,7 +42,7 @@ from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, deco
 from worker import failover, registry
 from worker.engine import Engine
 from worker.engine_thread import Add, Cancel, EngineThread, notify_loop
-from worker.events import InFlight, Progress, done_event, error_event, progress_from_last, step_events
+from worker.events import Event, InFlight, done_event, error_event, progress_from_last, step_events
 from worker.redis_io import connect, with_backoff
 
 log = logging.getLogger("worker.service")
@@ -53,6 +53,14 @@ TRIM_EVERY_S = 10.0
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def check_written(results: list) -> None:
+    """Raise the first real error of an output pipeline. "ID equal or smaller" means the event
+    was already written (a retried write whose first reply was lost): that is success."""
+    for result in results:
+        if isinstance(result, Exception) and "equal or smaller" not in str(result):
+            raise result
 
 
 def _s(value) -> str:
@@ -293,14 +301,14 @@ class WorkerService:
         self.inflight[entry.rid] = state
         self.thread.submit(Add(entry, skip_tokens=decision.skip_tokens))
 
-    async def _finish_now(self, state: InFlight, events: list[bytes]) -> None:
+    async def _finish_now(self, state: InFlight, events: list[Event]) -> None:
         """Final events for a request that never reaches the engine, with its ack."""
         async def op():
             async with self.redis.pipeline(transaction=True) as pipe:
                 self._queue_events(pipe, state.rid, events)
                 pipe.xack(self.keys.requests, CONSUMER_GROUP, state.entry_id)
                 pipe.delete(self.keys.owner(state.rid))
-                await pipe.execute()
+                check_written(await pipe.execute(raise_on_error=False))
         await with_backoff(op, "finish request")
 
     async def _dead_letter(self, entry_id: str, reason: str, raw: bytes | None, deliveries: int, kind: str,
@@ -319,17 +327,17 @@ class WorkerService:
                                                                retryable=False)])
                     pipe.delete(self.keys.owner(rid))
                 pipe.xack(self.keys.requests, CONSUMER_GROUP, entry_id)
-                await pipe.execute()
+                check_written(await pipe.execute(raise_on_error=False))
         await with_backoff(op, "dead-letter")
 
     # ---- outputs ---------------------------------------------------------------------------
 
-    def _queue_events(self, pipe, rid: str, events: list[bytes]) -> None:
+    def _queue_events(self, pipe, rid: str, events: list[Event]) -> None:
         if not events:
             return
         key = self.keys.out(rid)
-        for payload in events:
-            pipe.xadd(key, {ENTRY_FIELD: payload}, maxlen=self.settings.output_maxlen, approximate=True)
+        for entry_id, payload in events:
+            pipe.xadd(key, {ENTRY_FIELD: payload}, id=entry_id, maxlen=self.settings.output_maxlen, approximate=True)
         pipe.expire(key, self.settings.output_ttl_s)
 
     async def _writer_loop(self) -> None:
@@ -344,7 +352,7 @@ class WorkerService:
             outs = self.thread.take_outputs()
             if not outs:
                 return
-            per_rid: dict[str, list[bytes]] = {}
+            per_rid: dict[str, list[Event]] = {}
             finished: list[InFlight] = []
             for out in outs:
                 state = self.inflight.get(out.rid)
@@ -361,7 +369,7 @@ class WorkerService:
                     for st in finished:
                         pipe.xack(self.keys.requests, CONSUMER_GROUP, st.entry_id)
                         pipe.delete(self.keys.owner(st.rid))
-                    await pipe.execute()
+                    check_written(await pipe.execute(raise_on_error=False))
             if per_rid or finished:
                 await with_backoff(op, "write outputs")
             for st in finished:

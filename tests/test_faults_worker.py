@@ -1,0 +1,170 @@
+"""Worker-side faults with a real redis-server and real `python -m worker` processes:
+SIGKILL mid-stream (claim + replay / worker_lost), SIGTERM hand-back, Redis restart
+mid-stream, and requests that keep failing (dead-lettered after max deliveries)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from shared.localredis import LocalRedis
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams
+from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
+from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
+
+FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "MAX_SEQ_LEN": 2048}
+PROMPT = "Once upon a time"
+
+
+def two_workers(url, prefix, model_dir, log_dir, env):
+    procs = [spawn("worker", _env(url, prefix, {"MODEL_PATH": str(model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1",
+                                                 "WORKER_ID": name, **env}), log_dir, name)
+             for name in ("wa", "wb")]
+    for p in procs:
+        wait_for_worker(url, prefix, p, count=2)
+    return procs
+
+
+async def submit_together(redis, keys: Keys, entries: list[RequestEntry]) -> None:
+    """One MULTI: the first worker to read gets all of them (so one SIGKILL hits all)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        for e in entries:
+            pipe.xadd(keys.requests, {ENTRY_FIELD: e.encode()})
+        await pipe.execute()
+
+
+def entry(rid, **params) -> RequestEntry:
+    return RequestEntry(rid=rid, params=SamplingParams(**params), prompt=PROMPT)
+
+
+async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, redis_client, stream_prefix,
+                                                                  tiny_model_dir, tmp_path):
+    keys = Keys(stream_prefix)
+    procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, FAST_CLAIM)
+    try:
+        greedy, seeded, rnd = new_rid(), new_rid(), new_rid()
+        await submit_together(redis_client, keys, [entry(greedy, max_tokens=600, temperature=0.0),
+                                                   entry(seeded, max_tokens=600, temperature=0.9, seed=7),
+                                                   entry(rnd, max_tokens=600, temperature=0.9)])
+        for rid in (greedy, seeded, rnd):
+            await wait_for_tokens(redis_client, keys, rid, 20)
+        owners = {(await redis_client.get(keys.owner(r))).decode() for r in (greedy, seeded, rnd)}
+        assert len(owners) == 1
+        victim = next(p for p, name in zip(procs, ("wa", "wb")) if name in owners)
+        survivor = next(p for p in procs if p is not victim)
+        victim.signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        for rid in (greedy, seeded, rnd):  # a killed worker writes nothing more: they were mid-stream
+            last = await redis_client.xrevrange(keys.out(rid), count=1)
+            assert last[0][0].endswith(b"-0"), "finished before the kill"
+
+        ev_greedy = await read_events(redis_client, keys, greedy, timeout=60)
+        ev_seeded = await read_events(redis_client, keys, seeded, timeout=60)
+        ev_rnd = await read_events(redis_client, keys, rnd, timeout=60)
+        # the random one ends with a clear retryable error, after the tokens it had
+        assert ev_rnd[-1]["k"] == "err" and ev_rnd[-1]["code"] == "worker_lost" and ev_rnd[-1]["retryable"]
+        check_seqs(ev_rnd)
+        assert ev_rnd[-1]["_t"] - killed_at < 15
+        # deterministic ones finish seamlessly: seq continues, text identical to an uninterrupted run
+        for rid, params in ((greedy, dict(temperature=0.0)), (seeded, dict(temperature=0.9, seed=7))):
+            events = ev_greedy if rid == greedy else ev_seeded
+            assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "length"
+            check_seqs(events)
+            assert events[-1]["usage"]["completion_tokens"] == 600
+            ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=600, **params)
+            assert text_of(events) == text_of(await read_events(redis_client, keys, ref, timeout=60))
+        assert survivor.alive()
+        assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def test_sigterm_hands_running_requests_back(redis_server, redis_client, stream_prefix, tiny_model_dir,
+                                                   tmp_path):
+    """With CLAIM_IDLE_MS=20 s, only the hand-back can make another worker continue within seconds."""
+    keys = Keys(stream_prefix)
+    env = {**FAST_CLAIM, "CLAIM_IDLE_MS": 20000, "SHUTDOWN_GRACE_S": 0.3}
+    procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, env)
+    try:
+        rid = new_rid()
+        await submit_together(redis_client, keys, [entry(rid, max_tokens=800, temperature=0.0)])
+        await wait_for_tokens(redis_client, keys, rid, 20)
+        owner = (await redis_client.get(keys.owner(rid))).decode()
+        victim = procs[0] if owner == "wa" else procs[1]
+        t0 = time.monotonic()
+        victim.signal(signal.SIGTERM)
+        assert victim.popen.wait(15) == 0
+        events = await read_events(redis_client, keys, rid, timeout=60)
+        assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 800
+        check_seqs(events)
+        assert events[-1]["_t"] - t0 < 15  # well before CLAIM_IDLE_MS would let anyone claim it
+        assert "handed back 1 requests" in victim.log()
+        assert await redis_client.zscore(keys.workers, owner) is None  # deregistered
+        ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=800, temperature=0.0)
+        assert text_of(events) == text_of(await read_events(redis_client, keys, ref, timeout=60))
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def test_redis_restart_mid_stream_loses_no_token(tiny_model_dir, tmp_path):
+    server = LocalRedis(appendonly=True).start()
+    client = aioredis.from_url(server.url)
+    keys = Keys("rr")
+    proc = start_worker(server.url, "rr", tiny_model_dir, tmp_path, name="w-rr", env=FAST_CLAIM)
+    try:
+        rid = await submit(client, keys, prompt=PROMPT, max_tokens=600, temperature=0.0)
+        await wait_for_tokens(client, keys, rid, 30)
+        last = await client.xrevrange(keys.out(rid), count=1)
+        assert last[0][0].endswith(b"-0"), "finished before the restart"
+        await asyncio.to_thread(server.restart, down_for=1.0)
+        events = None
+        deadline = time.monotonic() + 60
+        while events is None and time.monotonic() < deadline:
+            try:
+                events = await read_events(client, keys, rid, timeout=60)
+            except RedisConnectionError:
+                await asyncio.sleep(0.2)
+        assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 600
+        check_seqs(events)
+        assert sum(e["n"] for e in events if e["k"] == "tok") == 600
+        assert "redis back after" in proc.log()
+        ref = await submit(client, keys, prompt=PROMPT, max_tokens=600, temperature=0.0)
+        assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
+        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert proc.alive()
+    finally:
+        proc.stop()
+        await client.aclose()
+        server.stop()
+
+
+async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, redis_client, stream_prefix,
+                                                                tiny_model_dir, tmp_path):
+    """An entry already delivered more than MAX_DELIVERIES times (its workers kept dying) is not
+    run again: dead-letter + a final non-retryable error for its client."""
+    keys = Keys(stream_prefix)
+    await redis_client.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+    rid = await submit(redis_client, keys, max_tokens=5)
+    resp = await redis_client.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"}, count=1)
+    entry_id = resp[0][1][0][0]
+    await redis_client.xclaim(keys.requests, CONSUMER_GROUP, "ghost", 0, [entry_id], retrycount=9, idle=10_000_000,
+                              justid=True)
+    proc = start_worker(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, name="w-dl",
+                        env={**FAST_CLAIM, "MAX_DELIVERIES": 5})
+    try:
+        ev = (await read_events(redis_client, keys, rid, timeout=30))[-1]
+        assert ev["k"] == "err" and ev["code"] == "worker_lost" and ev["retryable"] is False
+        dead = await redis_client.xrange(keys.dead)
+        assert len(dead) == 1 and b"delivered 10 times" in dead[0][1][b"reason"]
+        assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        ok = await submit(redis_client, keys, max_tokens=5)
+        assert (await read_events(redis_client, keys, ok))[-1]["k"] == "done"
+    finally:
+        proc.stop()
