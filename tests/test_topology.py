@@ -100,7 +100,7 @@ def stack(tmp_path_factory, tiny_model_dir):
         "RESUME_GRACE_S": "20", "HEARTBEAT_S": "2", "CLAIM_IDLE_MS": "3000",
         # a short drain, so a SIGTERMed worker hands its running requests back (the path under test)
         "SHUTDOWN_GRACE_S": "0.5",
-        "MAX_BATCH": "8", "PYTHONUNBUFFERED": "1",
+        "MAX_BATCH": "8", "PYTHONUNBUFFERED": "1", "ALLOWED_ORIGINS": "https://app.example",
     })
     state_file = run_dir / "stack.json"
     with open(log, "wb") as out:
@@ -144,8 +144,9 @@ class Client:
         self.errors: list[dict] = []
 
     @classmethod
-    async def connect(cls, url: str) -> "Client":
-        return cls(await websockets.connect(url, subprotocols=["llm-stream.json"], open_timeout=10, max_size=None))
+    async def connect(cls, url: str, origin: str | None = None) -> "Client":
+        return cls(await websockets.connect(url, subprotocols=["llm-stream.json"], open_timeout=10, max_size=None,
+                                            origin=origin))
 
     async def generate(self, cid: str, prompt: str, max_tokens: int) -> None:
         self.chunks.setdefault(cid, [])
@@ -222,6 +223,24 @@ async def test_requests_complete_through_each_gateway_and_the_proxy(stack):
             assert client.tokens(f"r{i}") >= 1
         finally:
             await client.close()
+
+
+async def test_proxy_forwards_host_so_the_same_origin_page_is_allowed(stack):
+    """ALLOWED_ORIGINS lists only another site; the gateway's own page (served through the proxy,
+    so Origin carries the proxy's host:port) must still get in, and a foreign origin must not."""
+    port = stack.state["proxy"]["port"]
+    page = await Client.connect(stack.state["proxy"]["url"], origin=f"http://127.0.0.1:{port}")
+    try:
+        await page.generate("o", "same origin", 4)
+        await page.pump(lambda c: "o" in c.done, timeout=60)
+        assert_finished_whole(stack, page, "o")
+    finally:
+        await page.close()
+    foreign = await Client.connect(stack.state["proxy"]["url"], origin="https://evil.example")
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        await foreign.pump(lambda c: False, timeout=30)
+    assert closed.value.rcvd.code == 1008
+    assert [e["code"] for e in foreign.errors] == ["origin_not_allowed"]
 
 
 async def test_proxy_spreads_sockets_over_both_gateways(stack):
