@@ -1,0 +1,123 @@
+"""Faults on the gateway side of the backbone, with real processes throughout: a gateway
+SIGKILLed mid-stream (the client resumes on another gateway), and 500 concurrent streams
+through two gateways and two workers with every token accounted for against the worker's
+record (the output streams in Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import pytest
+
+from shared.streams import ENTRY_FIELD, Keys, decode_event
+from tests.gateway_client import GatewayClient
+from tests.stack_fixtures import _env, spawn, start_gateway, wait_for_worker
+
+GW_ENV = {"PER_KEY_CONCURRENCY": 2000, "PER_KEY_RATE_PER_MIN": 100000, "MAX_QUEUE_DEPTH": 5000,
+          "FLUSH_INTERVAL_MS": 30, "RESUME_GRACE_S": 10}
+
+
+async def worker_record(redis, keys: Keys, rid: str) -> tuple[str, list[dict]]:
+    events = [decode_event(f[ENTRY_FIELD]) for _, f in await redis.xrange(keys.out(rid))]
+    return "".join(e.get("text", "") for e in events if e["k"] == "tok"), events
+
+
+def start_workers(url, prefix, model_dir, log_dir, n, env):
+    procs = [spawn("worker", _env(url, prefix, {"MODEL_PATH": str(model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1",
+                                                 "WORKER_ID": f"w{i}", **env}), log_dir, f"w{i}") for i in range(n)]
+    for p in procs:
+        wait_for_worker(url, prefix, p, count=n)
+    return procs
+
+
+async def generate(client: GatewayClient, cid: str, **params) -> str:
+    await client.send(type="generate", id=cid, **params)
+    accepted = await client.recv(cid, timeout=30)
+    assert accepted["type"] == "accepted", accepted
+    return accepted["request_id"]
+
+
+async def test_gateway_killed_mid_stream_client_resumes_elsewhere(redis_server, redis_client, stream_prefix,
+                                                                  tiny_model_dir, tmp_path):
+    keys = Keys(stream_prefix)
+    workers = start_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, 1, {})
+    gw_a, base_a = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-a", env=GW_ENV)
+    gw_b, base_b = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-b", env=GW_ENV)
+    try:
+        a = await GatewayClient.connect(base_a.replace("http", "ws") + "/v1/stream")
+        rid = await generate(a, "s1", prompt="Once upon a time", max_tokens=800, temperature=0.0)
+        seen = []
+        while sum(ch["tokens"] for ch in seen) < 20:
+            msg = await a.recv("s1")
+            assert msg["type"] == "chunk"
+            seen.append(msg)
+        gw_a.signal(signal.SIGKILL)                      # the gateway vanishes, no goodbye
+        gw_a.popen.wait(10)
+        with pytest.raises(Exception):
+            while True:
+                msg = await a.recv("s1", timeout=10)
+                seen.append(msg)                          # chunks already in flight still count
+        b = await GatewayClient.connect(base_b.replace("http", "ws") + "/v1/stream")
+        await b.send(type="resume", id="s1", last_seq=seen[-1]["seq"])
+        assert (await b.recv("s1"))["type"] == "accepted"
+        rest, done = await b.until_done("s1", timeout=60)
+        assert done["type"] == "done" and done["finish_reason"] == "length", done
+        text, events = await worker_record(redis_client, keys, rid)
+        assert "".join(ch["text"] for ch in seen + rest) == text             # nothing lost, nothing twice
+        assert sum(ch["tokens"] for ch in seen + rest) == 800
+        assert done["seq"] == sum(e["k"] == "tok" for e in events)
+        await b.close()
+    finally:
+        for p in [gw_a, gw_b, *workers]:
+            p.stop()
+
+
+async def test_500_concurrent_streams_two_gateways_two_workers(redis_server, redis_client, stream_prefix,
+                                                               tiny_model_dir, tmp_path):
+    keys = Keys(stream_prefix)
+    workers = start_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, 2,
+                            {"MAX_BATCH": 64, "MAX_SEQ_LEN": 256})
+    gws = [start_gateway(redis_server.url, stream_prefix, tmp_path, name=f"gw{i}", env=GW_ENV) for i in range(2)]
+    sockets_per_gw, per_socket = 10, 25                    # 2 x 10 x 25 = 500 streams
+    rng = random.Random(5)
+    try:
+        async def one_socket(base: str, s: int) -> list[tuple[str, str, list[dict], dict, dict]]:
+            client = await GatewayClient.connect(base.replace("http", "ws") + "/v1/stream")
+            specs = []
+            for i in range(per_socket):
+                cid = f"s{s}-{i}"
+                params = dict(prompt=f"Story {s} {i}:", max_tokens=rng.randint(4, 16),
+                              temperature=rng.choice([0.0, 0.8]))
+                await client.send(type="generate", id=cid, **params)
+                specs.append((cid, params))
+            results = []
+            for cid, params in specs:
+                accepted = await client.recv(cid, timeout=60)
+                assert accepted["type"] == "accepted", accepted
+                chunks, done = await client.until_done(cid, timeout=120)
+                results.append((cid, accepted["request_id"], chunks, done, params))
+            await client.close()
+            return results
+
+        jobs = [one_socket(base, g * 100 + s) for g, (_, base) in enumerate(gws) for s in range(sockets_per_gw)]
+        results = [r for rs in await asyncio.gather(*jobs) for r in rs]
+        assert len(results) == 500
+        assert len({rid for _, rid, *_ in results}) == 500
+        for cid, rid, chunks, done, params in results:
+            assert done["type"] == "done" and done["finish_reason"] in ("stop", "length"), (cid, done)
+            text, events = await worker_record(redis_client, keys, rid)
+            assert "".join(ch["text"] for ch in chunks) == text, cid
+            seqs = [ch["seq"] for ch in chunks]
+            assert seqs == sorted(set(seqs)) and done["seq"] == sum(e["k"] == "tok" for e in events)
+            tokens = sum(ch["tokens"] for ch in chunks)
+            assert tokens == done["usage"]["completion_tokens"] == events[-1]["usage"]["completion_tokens"]
+            assert tokens <= params["max_tokens"]
+        served = [await redis_client.hget(keys.worker(f"w{i}"), "steps") for i in range(2)]
+        assert all(int(s) > 0 for s in served), served       # both workers took part
+    finally:
+        for p, _ in gws:
+            p.stop()
+        for p in workers:
+            p.stop()
