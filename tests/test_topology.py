@@ -39,7 +39,6 @@ STACK = ROOT / "scripts" / "stack.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 from stack import nginx_binary  # noqa: E402
 
-pytestmark = pytest.mark.skipif(nginx_binary() is None, reason="nginx not installed (scripts/setup.sh --proxy)")
 
 LONG = 1800  # tokens: a few seconds on the tiny model, long enough to interrupt mid-stream
 
@@ -91,6 +90,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model_dir):
+    if nginx_binary() is None:
+        pytest.skip("nginx not installed (scripts/setup.sh --proxy installs nginx-light)")
     run_dir = tmp_path_factory.mktemp("stack")
     log = run_dir / "stack.log"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the stack starts its own Redis
@@ -359,3 +360,35 @@ def test_stack_fails_fast_when_a_worker_cannot_start(tmp_path):
     assert "worker-0 exited" in proc.stdout and "start-up failed" in proc.stdout
     state = tmp_path / "stack.json"
     assert not state.exists(), "a failed start must not publish a state file"
+
+
+def test_stack_uses_an_external_redis_and_leaves_it_running(tmp_path, redis_server, tiny_model_dir):
+    """With REDIS_URL set (compose, managed Redis) the stack starts no Redis of its own, serves
+    through the given one, and its shutdown does not touch it."""
+    prefix = f"topoext{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "REDIS_URL": redis_server.url, "STREAM_PREFIX": prefix, "MODEL_PATH": str(tiny_model_dir),
+           "DEVICE": "cpu", "TORCH_THREADS": "1"}
+    state_file = tmp_path / "stack.json"
+    log = tmp_path / "stack.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(STACK), "--gateway-port", "0", "--run-dir", str(tmp_path),
+                                 "--state-file", str(state_file), "--ready-timeout", "120"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not state_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        state = json.loads(state_file.read_text())
+        assert state["redis_url"] == redis_server.url
+        assert not (tmp_path / "redis").exists(), "no embedded Redis when REDIS_URL is given"
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            assert client.exists(Keys(prefix).worker(state["workers"][0]["worker_id"]))
+        finally:
+            client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(90)
+    assert rc == 0, log.read_text()[-4000:]
+    assert redis.Redis.from_url(redis_server.url).ping()
