@@ -244,9 +244,10 @@ def test_healthchecks_fail_cleanly_when_nothing_answers():
 
 
 def test_gateway_runs_without_worker_dependencies():
-    """What the gateway image relies on: the gateway's modules import with torch & co. absent."""
+    """What the gateway image relies on (it holds only shared/ and gateway/, no torch): the gateway's
+    modules import and build the app with the worker package and its dependencies absent."""
     code = ("import sys\n"
-            "for m in ('torch', 'transformers', 'gguf', 'accelerate'): sys.modules[m] = None\n"
+            "for m in ('torch', 'transformers', 'gguf', 'accelerate', 'worker'): sys.modules[m] = None\n"
             "import gateway.__main__, gateway.app, gateway.server\n"
             "gateway.app.create_app()\n"
             "print('gateway ok')\n")
