@@ -266,3 +266,13 @@ def test_worker_image_build_check_loads_the_baked_model_offline(tmp_path):
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(["sh", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_worker_runs_without_the_gateway_package():
+    """The worker image holds only shared/ and worker/: the worker must not import gateway code."""
+    code = ("import sys\n"
+            "sys.modules['gateway'] = None\n"
+            "import worker.__main__, worker.service, worker.engine\n"
+            "print('worker ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and "worker ok" in proc.stdout, proc.stderr[-3000:]
