@@ -116,3 +116,23 @@ async def test_poison_entries_go_to_dead_letter(worker_env, redis_client):
     assert dead[0][1][b"raw"] == b"\xc1 not msgpack"
     assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
     assert proc.alive()
+
+
+async def test_busy_worker_keeps_its_requests_from_being_claimed(worker_env, redis_client):
+    """A request running longer than CLAIM_IDLE_MS (1.5 s) stays with its healthy worker."""
+    keys, _ = worker_env
+    t0 = time.monotonic()
+    rid = await submit(redis_client, keys, max_tokens=1000, prompt="A long one")
+    await wait_for_tokens(redis_client, keys, rid, 2)
+    stolen = []
+    task = asyncio.ensure_future(read_events(redis_client, keys, rid, timeout=90))
+    while not task.done():
+        _next, claimed, _deleted = (await redis_client.xautoclaim(keys.requests, CONSUMER_GROUP, "thief", 1500,
+                                                                  start_id="0-0", count=10))[:3]
+        stolen += claimed
+        await asyncio.sleep(0.25)
+    events = task.result()
+    assert stolen == []
+    assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 1000
+    if time.monotonic() - t0 < 2.0:
+        pytest.skip("the request finished before CLAIM_IDLE_MS mattered on this fast machine")

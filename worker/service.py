@@ -67,6 +67,24 @@ def _s(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+async def trim_finished(redis, keys: Keys, *, approximate: bool = True) -> str | None:
+    """XTRIM MINID below everything still pending or not yet delivered: only entries whose
+    request finished (acked) are removed. The gateway's MAXLEN is only the hard cap.
+    Returns the MINID used (None when the group does not exist)."""
+    groups = await redis.xinfo_groups(keys.requests)
+    group = next((g for g in groups if _s(g.get("name")) == CONSUMER_GROUP), None)
+    if group is None:
+        return None
+    summary = await redis.xpending(keys.requests, CONSUMER_GROUP)
+    if summary and summary.get("pending"):
+        minid = _s(summary["min"])
+    else:
+        ms, _, seq = _s(group.get("last-delivered-id", "0-0")).partition("-")
+        minid = f"{ms}-{int(seq or 0) + 1}"
+    await redis.xtrim(keys.requests, minid=minid, approximate=approximate)
+    return minid
+
+
 class WorkerService:
     def __init__(self, settings: Settings, engine: Engine, *, worker_id: str | None = None, model_name: str = ""):
         self.settings = settings
@@ -245,19 +263,7 @@ class WorkerService:
             await self._accept(entry_id, fields, deliveries=deliveries.get(entry_id, 2))
 
     async def _trim_requests(self) -> None:
-        """XTRIM MINID below everything still pending or not yet delivered: only entries whose
-        request finished (acked) are removed. The gateway's MAXLEN is only the hard cap."""
-        groups = await self.redis.xinfo_groups(self.keys.requests)
-        group = next((g for g in groups if _s(g.get("name")) == CONSUMER_GROUP), None)
-        if group is None:
-            return
-        summary = await self.redis.xpending(self.keys.requests, CONSUMER_GROUP)
-        if summary and summary.get("pending"):
-            minid = _s(summary["min"])
-        else:
-            ms, _, seq = _s(group.get("last-delivered-id", "0-0")).partition("-")
-            minid = f"{ms}-{int(seq or 0) + 1}"
-        await self.redis.xtrim(self.keys.requests, minid=minid, approximate=True)
+        await trim_finished(self.redis, self.keys)
 
     async def _accept(self, entry_id: str, fields: dict, deliveries: int) -> None:
         """Take ownership of one delivered entry: validate, check cancel flag and progress, run."""
