@@ -136,3 +136,13 @@ async def test_busy_worker_keeps_its_requests_from_being_claimed(worker_env, red
     assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 1000
     if time.monotonic() - t0 < 2.0:
         pytest.skip("the request finished before CLAIM_IDLE_MS mattered on this fast machine")
+
+
+async def test_recovers_when_redis_lost_the_request_stream(worker_env, redis_client):
+    """Redis restarted without its data (no AOF): the consumer group is gone; the worker
+    recreates it and keeps serving instead of failing every read with NOGROUP."""
+    keys, proc = worker_env
+    await redis_client.delete(keys.requests)
+    rid = await submit(redis_client, keys, max_tokens=5)
+    assert (await read_events(redis_client, keys, rid, timeout=30))[-1]["k"] == "done"
+    assert proc.alive()

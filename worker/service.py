@@ -123,9 +123,9 @@ class WorkerService:
         await with_backoff(self._heartbeat_once, "register", lambda: self.stopping)
         self.thread.start()
         log.info("worker %s ready (capacity %d)", self.worker_id, self.capacity)
-        tasks = [asyncio.create_task(coro, name=name) for name, coro in (
-            ("writer", self._writer_loop()), ("control", self._control_loop()),
-            ("heartbeat", self._heartbeat_loop()), ("keep-fresh", self._keep_fresh_loop()),
+        tasks = [asyncio.create_task(self._supervised(name, loop_fn), name=name) for name, loop_fn in (
+            ("writer", self._writer_loop), ("control", self._control_loop),
+            ("heartbeat", self._heartbeat_loop), ("keep-fresh", self._keep_fresh_loop),
         )]
         feeders = [asyncio.create_task(self._intake_loop(), name="intake"),
                    asyncio.create_task(self._claim_loop(), name="claimer")]
@@ -142,6 +142,24 @@ class WorkerService:
                 await client.aclose()
         log.info("worker %s stopped: %s", self.worker_id, self.stats)
 
+    async def _supervised(self, name: str, loop_fn) -> None:
+        """Run a loop forever: transient Redis errors are retried inside it; anything else
+        (e.g. NOGROUP after Redis lost its data) is logged and the loop restarted, so no part
+        of the worker silently stops."""
+        while True:
+            try:
+                await loop_fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s loop failed; restarting it in 1 s", name)
+                await asyncio.sleep(1.0)
+                if name == "keep-fresh" or name == "writer":
+                    try:
+                        await self._ensure_group()
+                    except Exception:
+                        pass
+
     async def _ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
@@ -156,7 +174,10 @@ class WorkerService:
             await asyncio.sleep(0.05)
         if self.inflight:
             await self._hand_back(list(self.inflight))
-        await self._flush()
+        try:
+            await asyncio.wait_for(self._flush(), 10)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("could not write the last outputs (redis down)")
         try:
             await asyncio.wait_for(with_backoff(lambda: registry.deregister(self.redis, self.keys, self.worker_id),
                                                 "deregister"), 5)
@@ -173,7 +194,10 @@ class WorkerService:
         while (self.thread.running or self.thread.waiting) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)
-        await self._flush()
+        try:
+            await asyncio.wait_for(self._flush(), 10)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("could not write outputs before handing back (redis down)")
         states = [self.inflight.pop(rid) for rid in rids if rid in self.inflight]
         if not states:
             return
