@@ -246,7 +246,9 @@ class WorkerService:
                     await self._accept(_s(entry_id), fields, deliveries=1)
 
     async def _claim_loop(self) -> None:
-        interval = max(0.2, self.settings.claim_idle_ms / 2000)
+        # scanning is cheap (XAUTOCLAIM walks the pending list from 0-0), and a short interval
+        # is what makes a hand-back from a draining worker land elsewhere within a second
+        interval = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
         last_trim = 0.0
         while not self.stopping:
             try:
