@@ -121,3 +121,53 @@ async def test_500_concurrent_streams_two_gateways_two_workers(redis_server, red
             p.stop()
         for p in workers:
             p.stop()
+
+
+async def test_redis_restarted_mid_stream_through_the_gateway(tiny_model_dir, tmp_path):
+    """Redis (AOF on) restarts while a client streams through gateway and worker: the client
+    gets the whole answer or a clear retryable error it can resume from — never a hang — and
+    after resuming, every token the worker recorded."""
+    import redis.asyncio as aioredis
+    from shared.localredis import LocalRedis
+
+    server = LocalRedis(appendonly=True).start()
+    client_redis = aioredis.from_url(server.url)
+    keys = Keys("rg")
+    workers = start_workers(server.url, "rg", tiny_model_dir, tmp_path, 1, {"CLAIM_IDLE_MS": 3000})
+    gw, base = start_gateway(server.url, "rg", tmp_path, name="gw-rr", env=GW_ENV)
+    url = base.replace("http", "ws") + "/v1/stream"
+    try:
+        a = await GatewayClient.connect(url)
+        rid = await generate(a, "r1", prompt="Once upon a time", max_tokens=600, temperature=0.0)
+        seen = []
+        while sum(ch["tokens"] for ch in seen) < 20:
+            seen.append(await a.recv("r1"))
+        await asyncio.to_thread(server.restart, down_for=1.0)
+        final = None
+        try:
+            while final is None:
+                msg = await a.recv("r1", timeout=60)
+                if msg["type"] == "chunk":
+                    seen.append(msg)
+                else:
+                    final = msg
+        except Exception as exc:  # the gateway may close the socket: that is an outcome too, not a hang
+            final = {"type": "closed", "exc": repr(exc)}
+        if final["type"] != "done":
+            assert final["type"] == "closed" or final.get("retryable") or final.get("error", {}).get("retryable"), final
+            b = await GatewayClient.connect(url)
+            await b.send(type="resume", id="r1", last_seq=seen[-1]["seq"] if seen else 0, request_id=rid)
+            assert (await b.recv("r1", timeout=30))["type"] == "accepted"
+            rest, final = await b.until_done("r1", timeout=60)
+            seen += rest
+            await b.close()
+        assert final["type"] == "done" and final["finish_reason"] == "length", final
+        text, events = await worker_record(client_redis, keys, rid)
+        assert "".join(ch["text"] for ch in seen) == text
+        assert sum(ch["tokens"] for ch in seen) == 600
+    finally:
+        gw.stop()
+        for p in workers:
+            p.stop()
+        await client_redis.aclose()
+        server.stop()
