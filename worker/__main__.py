@@ -47,7 +47,7 @@ def main() -> int:
         await service.run()
 
     asyncio.run(serve())
-    return 0
+    return 1 if service.fatal else 0
 
 
 if __name__ == "__main__":

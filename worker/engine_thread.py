@@ -79,6 +79,9 @@ class EngineThread:
             self._cond.notify_all()
         return [o for batch in batches for o in batch]
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stop = True
@@ -99,7 +102,10 @@ class EngineThread:
                 self._inbox.clear()
             produced: list[StepOutput] = []
             for command in commands:
-                produced.extend(self._apply(command))
+                try:
+                    produced.extend(self._apply(command))
+                except Exception:
+                    log.exception("engine command %r failed", command)
             if self.engine.has_work:
                 try:
                     produced.extend(self.engine.step())
@@ -134,6 +140,9 @@ class EngineThread:
                                           priority=entry.priority, skip_tokens=command.skip_tokens))
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids))]
+        except Exception as exc:  # a bug or odd input must fail this request only
+            log.exception("engine.add failed for %s", entry.rid)
+            return [error_output(entry.rid, ErrorCode.INTERNAL, f"could not start the request: {exc}", len(ids))]
         return []
 
     def _swallow(self, out: StepOutput) -> bool:

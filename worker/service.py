@@ -95,6 +95,7 @@ class WorkerService:
         self.capacity = settings.max_batch
         self.inflight: dict[str, InFlight] = {}
         self.stopping = False
+        self.fatal = False
         self.started_ms = int(time.time() * 1000)
         self.stats = {"finished": 0, "replayed": 0, "lost": 0, "dead": 0, "claimed": 0, "handed_back": 0}
         self._stop = asyncio.Event()
@@ -486,4 +487,11 @@ class WorkerService:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.worker_heartbeat_s)
+            if not self.thread.is_alive() and not self.stopping:
+                # never advertise capacity we cannot serve: hand everything back and exit non-zero
+                log.critical("the engine thread died; handing back %d requests and exiting", len(self.inflight))
+                self.fatal = True
+                self.settings = self.settings.model_copy(update={"shutdown_grace_s": 0.0})
+                self.request_stop()
+                return
             await with_backoff(self._heartbeat_once, "heartbeat")
