@@ -415,12 +415,18 @@ class Connection:
                     pass
             self._wake.clear()
             now = time.monotonic()
-            while self._control:
-                await self._send_model(self._control.popleft())
+            closing = self._closing is not None
+            if not closing:
+                while self._control:
+                    await self._send_model(self._control.popleft())
             for req in list(self.requests.values()):
                 if req.accepted and not req.finished:
-                    await self._flush_request(req, now)
-            if self._closing is not None:
+                    # closing: hand over everything buffered, so a resume has least to replay
+                    await self._flush_request(req, float("inf") if closing else now)
+            if closing:
+                # the closing explanation (e.g. shutting_down) is the last frame before the close
+                while self._control:
+                    await self._send_model(self._control.popleft())
                 code, reason = self._closing
                 await self._close_now(code, reason)
                 return
@@ -483,16 +489,13 @@ class Connection:
         self.hub.metrics.requests.labels(done["finish_reason"]).inc()
         self._detach(req)
         self.requests.pop(req.client_id, None)
-        if req.slot_held:
+        if req.slot_held:   # freed before `done` goes out, so a client may start its next request at once
             req.slot_held = False
-            asyncio.get_running_loop().create_task(self._release_slot(req))
+            try:
+                await self.hub.limits.release(req.key_id, req.rid)
+            except (RedisError, OSError):
+                pass  # the lease expires by itself
         await self._send_raw(done)
-
-    async def _release_slot(self, req: RequestState) -> None:
-        try:
-            await self.hub.limits.release(req.key_id, req.rid)
-        except (RedisError, OSError):
-            pass  # the lease expires by itself
 
     async def _send_model(self, msg) -> None:
         await self._send_raw(msg.model_dump(mode="json", exclude_none=True))
