@@ -12,12 +12,13 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from shared.backlog import live_workers
 from shared.localredis import LocalRedis
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
 from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
 
-FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "MAX_SEQ_LEN": 2048}
+FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
 
 
@@ -80,6 +81,10 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
             assert text_of(events) == text_of(await read_events(redis_client, keys, ref, timeout=60))
         assert survivor.alive()
         assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        # the registry no longer lists the dead worker (silent > WORKER_TTL_S), only the survivor
+        await asyncio.sleep(max(0.0, killed_at + 2.5 - time.monotonic()))
+        assert [w.worker_id for w in await live_workers(redis_client, keys, worker_ttl_s=2)] == \
+            [n for n in ("wa", "wb") if n not in owners]
     finally:
         for p in procs:
             p.stop()
