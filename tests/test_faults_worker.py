@@ -14,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.backlog import live_workers
 from shared.localredis import LocalRedis
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, encode_event
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
 from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
 
@@ -157,6 +157,11 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
     keys = Keys(stream_prefix)
     await redis_client.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
     rid = await submit(redis_client, keys, max_tokens=5)
+    # its last (dead) worker had already streamed two tokens
+    from worker.events import tok_id
+    for seq in (1, 2):
+        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: encode_event("tok", seq, text="x", n=1, t=seq)},
+                                id=tok_id(seq))
     resp = await redis_client.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"}, count=1)
     entry_id = resp[0][1][0][0]
     await redis_client.xclaim(keys.requests, CONSUMER_GROUP, "ghost", 0, [entry_id], retrycount=9, idle=10_000_000,
@@ -164,8 +169,10 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
     proc = start_worker(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, name="w-dl",
                         env={**FAST_CLAIM, "MAX_DELIVERIES": 5})
     try:
-        ev = (await read_events(redis_client, keys, rid, timeout=30))[-1]
+        events = await read_events(redis_client, keys, rid, timeout=30)
+        ev = events[-1]
         assert ev["k"] == "err" and ev["code"] == "worker_lost" and ev["retryable"] is False
+        check_seqs(events)                                  # final seq follows the delivered tokens
         dead = await redis_client.xrange(keys.dead)
         assert len(dead) == 1 and b"delivered 10 times" in dead[0][1][b"reason"]
         assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0

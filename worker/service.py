@@ -349,6 +349,13 @@ class WorkerService:
         rid = rid or failover.rid_of_raw(raw)
         self.stats["dead"] += 1
         log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
+        seq = 0
+        if rid is not None:  # the final event must follow whatever earlier attempts wrote
+            last = await with_backoff(lambda: self.redis.xrevrange(self.keys.out(rid), count=1), "read progress")
+            progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
+            if progress.finished:
+                rid = None
+            seq = progress.seq
 
         async def op():
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -356,7 +363,7 @@ class WorkerService:
                           maxlen=failover.DEAD_MAXLEN, approximate=True)
                 if rid is not None:
                     code = failover.DEAD_CODE[kind]
-                    self._queue_events(pipe, rid, [error_event(0, code, f"request rejected by the worker: {reason}",
+                    self._queue_events(pipe, rid, [error_event(seq, code, f"request rejected by the worker: {reason}",
                                                                retryable=False)])
                     pipe.delete(self.keys.owner(rid))
                 pipe.xack(self.keys.requests, CONSUMER_GROUP, entry_id)
