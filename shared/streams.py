@@ -15,7 +15,9 @@ Every key starts with `Settings.stream_prefix` (default `llm`), written `{p}` be
 | {p}:dead               | stream | worker     | operator | dead-letter: entries that could not be decoded or validated|
 
 Request entries carry one field `d` (msgpack of `RequestEntry`); output entries one field `d`
-(msgpack of an `OutEvent`). The request stream is trimmed with approximate MAXLEN; an entry is
+(msgpack of an `OutEvent`). Output entry ids are explicit: `{seq}-0` for a token event and
+`{seq}-1` for the final one (see worker/events.py), which makes worker writes idempotent; only
+workers write output streams. The request stream is trimmed with approximate MAXLEN; an entry is
 XACKed only when its request has finished, so a dead worker's requests stay pending and are
 claimed by another worker (XAUTOCLAIM after `claim_idle_ms`).
 """
