@@ -34,7 +34,7 @@ class PrefillChunk:
     slot: int
     start: int             # position of the chunk's first token in the request
     length: int
-    mask: torch.Tensor     # bool [groups * length, start + length], True = may attend
+    mask: torch.Tensor     # additive [groups * length, start + length]: 0 = may attend, -inf = not
 
 
 @dataclass
@@ -48,7 +48,7 @@ class StepMeta:
     max_len: int = 0                # decode view covers positions [0, max_len)
     row_token: torch.Tensor | None = None    # long [rows]: packed token feeding each row (None = identity)
     decode_rows: torch.Tensor | None = None  # long [num_decode]: row of each decode token (None = identity)
-    decode_mask: torch.Tensor | None = None  # bool [rows, 1, 1, max_len]
+    decode_mask: torch.Tensor | None = None  # additive [rows, 1, 1, max_len]
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -92,12 +92,18 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.unsqueeze(0), None
 
 
-def prefill_mask(start: int, length: int, groups: int, device) -> torch.Tensor:
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed, -inf elsewhere. CPU SDPA runs about twice as fast with an
+    additive float mask as with a boolean one (it takes its fused kernel)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def prefill_mask(start: int, length: int, groups: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal mask of a chunk at `start`: query i (repeated for each folded head group) sees
     positions <= start + i."""
     q_pos = torch.arange(start, start + length, device=device)
     k_pos = torch.arange(start + length, device=device)
-    return (k_pos[None, :] <= q_pos[:, None]).repeat(groups, 1)
+    return additive_mask((k_pos[None, :] <= q_pos[:, None]).repeat(groups, 1), dtype)
 
 
 def register() -> None:

@@ -20,7 +20,7 @@ import torch
 from shared.errors import ErrorCode
 from shared.streams import SamplingParams
 from worker.engine import attention
-from worker.engine.attention import PrefillChunk, StepMeta, prefill_mask
+from worker.engine.attention import PrefillChunk, StepMeta, additive_mask, prefill_mask
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.kv_cache import SlotKVCache, model_kv_shape
@@ -246,7 +246,7 @@ class Engine:
             ids.extend(seq.req.prompt_ids[start : start + n])
             pos.extend(range(start, start + n))
             slots.extend([seq.slot] * n)
-            chunks.append(PrefillChunk(seq.slot, start, n, prefill_mask(start, n, self._groups, self.device)))
+            chunks.append(PrefillChunk(seq.slot, start, n, prefill_mask(start, n, self._groups, self.device, self.config.dtype)))
             if start + n == seq.prompt_len:
                 keep.append(len(ids) - 1)
                 sampled.append(seq)
@@ -272,7 +272,8 @@ class Engine:
                 meta.row_token = torch.tensor(row_token, device=dev)
                 meta.decode_rows = torch.tensor([s.slot for s in decode], device=dev)
             span = torch.arange(meta.max_len, device=dev)
-            meta.decode_mask = (span[None, :] < torch.tensor(lengths, device=dev)[:, None]).view(rows, 1, 1, -1)
+            allowed = span[None, :] < torch.tensor(lengths, device=dev)[:, None]
+            meta.decode_mask = additive_mask(allowed, self.config.dtype).view(rows, 1, 1, -1)
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([ids], device=dev),
