@@ -132,6 +132,10 @@ class WorkerService:
                    asyncio.create_task(self._claim_loop(), name="claimer")]
         try:
             await self._stop.wait()
+            # stop reading now, not when the current XREADGROUP BLOCK returns: an entry already
+            # delivered to us but not yet accepted stays pending and is claimed by another worker
+            for task in feeders:
+                task.cancel()
             await asyncio.gather(*feeders, return_exceptions=True)
             await self._drain()
         finally:
