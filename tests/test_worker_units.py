@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from shared.errors import ErrorCode
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event
 from worker.engine import StepOutput
@@ -32,6 +34,7 @@ def test_events_count_seq_and_tokens_and_progress_round_trips():
     decoded = [decode_event(p) for _, p in evs]
     assert [(e["k"], e["seq"]) for e in decoded] == [("tok", 1), ("tok", 2), ("tok", 3), ("done", 3)]
     assert [e.get("t") for e in decoded[:3]] == [1, 2, 3]
+    assert all(abs(e["ms"] - time.time() * 1000) < 60_000 for e in decoded[:3])
     assert progress_from_last(decoded[1]) == Progress(seq=2, tokens=2)
     assert progress_from_last(decoded[-1]).finished
     err = step_events(InFlight("r", "1-0", entry()), StepOutput("r", "", [], True, "error", 3, 0,

@@ -15,6 +15,7 @@ exactly where the stream ends.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from shared.errors import RETRYABLE, ErrorCode
@@ -58,7 +59,8 @@ def step_events(req: InFlight, out: StepOutput) -> list[Event]:
     if out.text or out.token_ids:
         p.seq += 1
         p.tokens += len(out.token_ids)
-        events.append((tok_id(p.seq), encode_event("tok", p.seq, text=out.text, n=len(out.token_ids), t=p.tokens)))
+        events.append((tok_id(p.seq), encode_event("tok", p.seq, text=out.text, n=len(out.token_ids), t=p.tokens,
+                                                    ms=int(time.time() * 1000))))
     if out.finished:
         p.finished = True
         if out.finish_reason == "error":
