@@ -13,6 +13,10 @@ we write the new keys/values into each request's slot of the `SlotKVCache` and a
 
 Grouped-query attention is handled by folding the query heads that share a KV head into the
 query-length axis, so keys/values are never repeated.
+
+Works for decoder-only models whose attention layers go through transformers' attention
+interface with RoPE from `position_ids` and a `layer_idx` (Llama, Mistral, Qwen2/3, SmolLM,
+...); sliding-window and soft-capped attention variants are not honoured.
 """
 
 from __future__ import annotations
