@@ -154,7 +154,7 @@ class EngineThread:
 
     def _fail_all(self) -> list[StepOutput]:
         outs = []
-        for rid in list(self.engine._by_rid):
+        for rid in self.engine.request_ids():
             self.engine.cancel(rid)
         for out in self.engine.step():
             outs.append(error_output(out.rid, ErrorCode.INTERNAL, "engine failure", out.prompt_tokens))

@@ -139,6 +139,10 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def request_ids(self) -> list[str]:
+        """Ids of every request the engine holds (waiting or running)."""
+        return list(self._by_rid)
+
     @property
     def kv_tokens_total(self) -> int:
         return self.budget.total
