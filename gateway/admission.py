@@ -10,54 +10,12 @@ the registry zset `{p}:workers` (worker id -> last heartbeat ms). One snapshot i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
+from shared.backlog import Backlog, read_backlog
 from shared.errors import ErrorCode, ProtocolError
-from shared.streams import CONSUMER_GROUP, Keys
-
-
-@dataclass(frozen=True)
-class Backlog:
-    queued: int          # not yet read by any worker
-    pending: int         # read by a worker, not finished
-    live_workers: int
-
-    @property
-    def depth(self) -> int:
-        return self.queued + self.pending
-
-
-async def read_backlog(redis: aioredis.Redis, keys: Keys, worker_ttl_s: float) -> Backlog:
-    now_ms = int(time.time() * 1000)
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xinfo_groups(keys.requests)
-        pipe.xlen(keys.requests)
-        pipe.zcount(keys.workers, now_ms - int(worker_ttl_s * 1000), "+inf")
-        groups, length, live = await pipe.execute(raise_on_error=False)
-    if isinstance(live, Exception):
-        raise live
-    queued = pending = 0
-    if isinstance(groups, ResponseError):   # no stream yet: nothing queued
-        groups = []
-    elif isinstance(groups, Exception):
-        raise groups
-    group = next((g for g in groups if _s(g.get("name")) == CONSUMER_GROUP), None)
-    if group is None:
-        queued = int(length) if not isinstance(length, Exception) else 0  # no worker ever joined
-    else:
-        pending = int(group.get("pending") or 0)
-        lag = group.get("lag")
-        # lag is nil when Redis cannot compute it (e.g. after trimming); then assume nothing
-        # beyond what is pending rather than refuse everything
-        queued = int(lag) if lag is not None else 0
-    return Backlog(queued, pending, int(live))
-
-
-def _s(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+from shared.streams import Keys
 
 
 class Admission:

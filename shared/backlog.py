@@ -35,15 +35,16 @@ class WorkerInfo:
         return max(0, self.capacity - self.running - self.waiting)
 
 
-@dataclass
-class QueueDepth:
-    length: int    # entries in the request stream (acked ones included until trimmed)
-    lag: int       # entries no worker has read yet
-    pending: int   # read by a worker, not finished
+@dataclass(frozen=True)
+class Backlog:
+    """The work ahead of a new request, as every replica sees it."""
+    queued: int          # not yet read by any worker (the consumer group's lag)
+    pending: int         # read by a worker, not finished
+    live_workers: int
 
     @property
-    def backlog(self) -> int:
-        return self.lag + self.pending
+    def depth(self) -> int:
+        return self.queued + self.pending
 
 
 def _text(value) -> str:
@@ -74,17 +75,28 @@ async def live_workers(redis: aioredis.Redis, keys: Keys, worker_ttl_s: float) -
     return out
 
 
-async def queue_depth(redis: aioredis.Redis, keys: Keys) -> QueueDepth:
-    """Length, lag and pending of the request stream's consumer group (zeros before it exists)."""
-    try:
-        groups = await redis.xinfo_groups(keys.requests)
-    except ResponseError:  # no such key yet
-        return QueueDepth(0, 0, 0)
-    length = await redis.xlen(keys.requests)
-    for g in groups:
-        name = _text(g.get("name", b""))
-        if name == CONSUMER_GROUP:
-            lag = g.get("lag")
-            return QueueDepth(length=length, lag=int(lag) if lag is not None else length,
-                              pending=int(g.get("pending", 0)))
-    return QueueDepth(length=length, lag=length, pending=0)
+async def read_backlog(redis: aioredis.Redis, keys: Keys, worker_ttl_s: float) -> Backlog:
+    """Queue depth and live-worker count in one round trip (admission runs this on a hot path)."""
+    now_ms = int(time.time() * 1000)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xinfo_groups(keys.requests)
+        pipe.xlen(keys.requests)
+        pipe.zcount(keys.workers, now_ms - int(worker_ttl_s * 1000), "+inf")
+        groups, length, live = await pipe.execute(raise_on_error=False)
+    if isinstance(live, Exception):
+        raise live
+    queued = pending = 0
+    if isinstance(groups, ResponseError):   # no stream yet: nothing queued
+        groups = []
+    elif isinstance(groups, Exception):
+        raise groups
+    group = next((g for g in groups if _text(g.get("name")) == CONSUMER_GROUP), None)
+    if group is None:
+        queued = int(length) if not isinstance(length, Exception) else 0  # no worker ever joined
+    else:
+        pending = int(group.get("pending") or 0)
+        lag = group.get("lag")
+        # lag is nil when Redis cannot compute it (e.g. after trimming); then assume nothing
+        # beyond what is pending rather than refuse everything
+        queued = int(lag) if lag is not None else 0
+    return Backlog(queued, pending, int(live))

@@ -202,7 +202,7 @@ async def test_healthz_readyz_metrics_and_page(redis_server, stream_prefix):
 
 
 async def test_backlog_is_read_from_the_consumer_group(redis_client, stream_prefix):
-    from gateway.admission import read_backlog
+    from shared.backlog import read_backlog
     from shared.streams import CONSUMER_GROUP, Keys
 
     keys = Keys(stream_prefix)

@@ -8,7 +8,7 @@ import time
 import msgpack
 import pytest
 
-from shared.backlog import live_workers, queue_depth
+from shared.backlog import live_workers, read_backlog
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys
 from tests.stack_fixtures import start_worker
 from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
@@ -55,8 +55,8 @@ async def test_registry_and_queue_depth(worker_env, redis_client):
     assert [w.worker_id for w in workers] == ["w-svc"]
     w = workers[0]
     assert w.capacity == 4 and w.kv_total > 0 and w.pid == proc.pid
-    depth = await queue_depth(redis_client, keys)
-    assert depth.lag == 0 and depth.pending == 0
+    backlog = await read_backlog(redis_client, keys, worker_ttl_s=10)
+    assert backlog.queued == 0 and backlog.pending == 0 and backlog.live_workers == 1
 
 
 async def test_cancel_reaches_owner_quickly(worker_env, redis_client):
