@@ -20,7 +20,7 @@ from typing import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.streams import ENTRY_FIELD, decode_event
+from shared.streams import ENTRY_FIELD, as_str, decode_event
 
 log = logging.getLogger("gateway.output")
 
@@ -133,7 +133,7 @@ class OutputReader:
                     self._blocked = False
                 backoff = 0.05
                 for raw_key, entries in reply or ():
-                    self._deliver(raw_key.decode() if isinstance(raw_key, bytes) else raw_key, entries)
+                    self._deliver(as_str(raw_key), entries)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
@@ -149,7 +149,7 @@ class OutputReader:
     def _deliver(self, key: str, entries: list) -> None:
         subs = list(self._subs.get(key, ()))
         for entry_id, fields in entries:
-            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            eid = as_str(entry_id)
             raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
             try:
                 event = decode_event(raw)

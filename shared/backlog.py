@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from shared.streams import CONSUMER_GROUP, Keys
+from shared.streams import CONSUMER_GROUP, Keys, as_str
 
 
 @dataclass
@@ -47,10 +47,6 @@ class Backlog:
         return self.queued + self.pending
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 async def live_workers(redis: aioredis.Redis, keys: Keys, worker_ttl_s: float) -> list[WorkerInfo]:
     """Workers whose heartbeat is fresh, with their registry hash (skipped if it expired)."""
     now_ms = int(time.time() * 1000)
@@ -59,15 +55,15 @@ async def live_workers(redis: aioredis.Redis, keys: Keys, worker_ttl_s: float) -
         return []
     async with redis.pipeline(transaction=False) as pipe:
         for member, _ in members:
-            pipe.hgetall(keys.worker(_text(member)))
+            pipe.hgetall(keys.worker(as_str(member)))
         hashes = await pipe.execute()
     out = []
     for (member, score), h in zip(members, hashes):
         if not h:
             continue
-        f = {_text(k): _text(v) for k, v in h.items()}
+        f = {as_str(k): as_str(v) for k, v in h.items()}
         out.append(WorkerInfo(
-            worker_id=_text(member), capacity=int(f.get("capacity", 0)), running=int(f.get("running", 0)),
+            worker_id=as_str(member), capacity=int(f.get("capacity", 0)), running=int(f.get("running", 0)),
             waiting=int(f.get("waiting", 0)), kv_free=int(f.get("kv_free", 0)), kv_total=int(f.get("kv_total", 0)),
             model=f.get("model", ""), pid=int(f.get("pid", 0)), started_ms=int(f.get("started_ms", 0)),
             heartbeat_ms=int(score),
@@ -90,7 +86,7 @@ async def read_backlog(redis: aioredis.Redis, keys: Keys, worker_ttl_s: float) -
         groups = []
     elif isinstance(groups, Exception):
         raise groups
-    group = next((g for g in groups if _text(g.get("name")) == CONSUMER_GROUP), None)
+    group = next((g for g in groups if as_str(g.get("name")) == CONSUMER_GROUP), None)
     if group is None:
         queued = int(length) if not isinstance(length, Exception) else 0  # no worker ever joined
     else:

@@ -146,3 +146,8 @@ def encode_event(kind: OutKind, seq: int, **fields: Any) -> bytes:
 
 def decode_event(raw: bytes) -> dict[str, Any]:
     return msgpack.unpackb(raw, raw=False)
+
+
+def as_str(value: Any) -> str:
+    """Redis replies are bytes unless a client decodes them; stream ids and names as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
