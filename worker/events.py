@@ -15,7 +15,6 @@ exactly where the stream ends.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from shared.errors import RETRYABLE, ErrorCode
@@ -60,7 +59,7 @@ def step_events(req: InFlight, out: StepOutput) -> list[Event]:
         p.seq += 1
         p.tokens += len(out.token_ids)
         events.append((tok_id(p.seq), encode_event("tok", p.seq, text=out.text, n=len(out.token_ids), t=p.tokens,
-                                                    ms=int(time.time() * 1000))))
+                                                    ms=out.emitted_ms)))
     if out.finished:
         p.finished = True
         if out.finish_reason == "error":

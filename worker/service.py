@@ -38,7 +38,7 @@ from redis.exceptions import ResponseError
 
 from shared.config import Settings
 from shared.errors import ErrorCode
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, decode_event
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, as_str, decode_event
 from worker import failover, registry
 from worker.engine import Engine
 from worker.engine_thread import Add, Cancel, EngineThread, notify_loop
@@ -63,23 +63,19 @@ def check_written(results: list) -> None:
             raise result
 
 
-def _s(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 async def trim_finished(redis, keys: Keys, *, approximate: bool = True) -> str | None:
     """XTRIM MINID below everything still pending or not yet delivered: only entries whose
     request finished (acked) are removed. The gateway's MAXLEN is only the hard cap.
     Returns the MINID used (None when the group does not exist)."""
     groups = await redis.xinfo_groups(keys.requests)
-    group = next((g for g in groups if _s(g.get("name")) == CONSUMER_GROUP), None)
+    group = next((g for g in groups if as_str(g.get("name")) == CONSUMER_GROUP), None)
     if group is None:
         return None
     summary = await redis.xpending(keys.requests, CONSUMER_GROUP)
     if summary and summary.get("pending"):
-        minid = _s(summary["min"])
+        minid = as_str(summary["min"])
     else:
-        ms, _, seq = _s(group.get("last-delivered-id", "0-0")).partition("-")
+        ms, _, seq = as_str(group.get("last-delivered-id", "0-0")).partition("-")
         minid = f"{ms}-{int(seq or 0) + 1}"
     await redis.xtrim(keys.requests, minid=minid, approximate=approximate)
     return minid
@@ -248,7 +244,7 @@ class WorkerService:
                 continue
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
-                    await self._accept(_s(entry_id), fields, deliveries=1)
+                    await self._accept(as_str(entry_id), fields, deliveries=1)
 
     async def _claim_loop(self) -> None:
         # scanning is cheap (XAUTOCLAIM walks the pending list from 0-0), and a short interval
@@ -279,14 +275,14 @@ class WorkerService:
             start_id="0-0", count=count))[:3]
         if deleted:
             log.warning("pending entries trimmed before anyone finished them: %s", deleted)
-        entries = [(_s(i), f) for i, f in entries if f]
+        entries = [(as_str(i), f) for i, f in entries if f]
         if not entries:
             return
         # delivery counts (XAUTOCLAIM has already counted this delivery)
         pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=entries[0][0],
                                                   max=entries[-1][0], count=len(entries) + 100,
                                                   consumername=self.worker_id)
-        deliveries = {_s(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
         for entry_id, fields in entries:
             if entry_id in {st.entry_id for st in self.inflight.values()}:
                 continue
@@ -427,13 +423,15 @@ class WorkerService:
 
     async def _control_loop(self) -> None:
         key = self.keys.ctl(self.worker_id)
-        last_id = "$"
+        # An explicit id, not "$": with "$" every XREAD that times out would restart from the
+        # then-newest entry, dropping a cancel that lands between two calls.
+        last_id = f"{int(time.time() * 1000)}-0"
         while True:
             resp = await with_backoff(lambda: self.ctl_redis.xread({key: last_id}, count=256, block=BLOCK_MS),
                                       "read control")
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
-                    last_id = _s(entry_id)
+                    last_id = as_str(entry_id)
                     self._on_control(fields.get(ENTRY_FIELD))
 
     def _on_control(self, raw: bytes | None) -> None:
@@ -460,7 +458,7 @@ class WorkerService:
         mine = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
                                                count=len(states) + self.capacity + 100,
                                                consumername=self.worker_id)
-        pending = {_s(p["message_id"]) for p in mine}
+        pending = {as_str(p["message_id"]) for p in mine}
         kept = []
         for st in states:
             if st.entry_id in pending:

@@ -12,6 +12,7 @@ calls add/cancel/step from one thread.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -61,6 +62,8 @@ class StepOutput:
     completion_tokens: int
     error_code: ErrorCode | None = None
     error_message: str | None = None
+    # wall clock (ms) when the step produced this output: outputs may reach Redis later, batched
+    emitted_ms: int = field(default_factory=lambda: int(time.time() * 1000))
 
 
 @dataclass
