@@ -21,6 +21,7 @@ from gateway.auth import KeyChecker, KeyLimits, OriginPolicy
 from gateway.metrics import GatewayMetrics
 from gateway.output_reader import OutputReader
 from gateway.settings import GatewaySettings
+from gateway.socket_caps import SocketCaps
 from gateway.submit import Submitter
 from shared.streams import Keys
 
@@ -37,6 +38,7 @@ class Hub:
         self.metrics = GatewayMetrics()
         self.key_checker = KeyChecker.from_settings(settings)
         self.origins = OriginPolicy(settings.allowed_origins)
+        self.socket_caps = SocketCaps(per_key=settings.max_sockets_per_key, per_address=settings.max_sockets_per_address)
         self.connections: set[Connection] = set()
         self.draining = False
         self.redis: aioredis.Redis | None = None

@@ -8,6 +8,7 @@ the sweeper; output after `last_seq` is then replayed from the request's retaine
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from shared.errors import ErrorCode, ProtocolError
@@ -17,8 +18,32 @@ if TYPE_CHECKING:
     from gateway.dispatch import MessageHandler
 
 
+class ResumeBudget:
+    """At most `per_min` resume attempts per socket per minute (a fixed window): request ids are
+    unguessable, and this keeps anyone from even trying many of them over one socket."""
+
+    __slots__ = ("per_min", "window", "used")
+
+    def __init__(self, per_min: int):
+        self.per_min = per_min
+        self.window = 0
+        self.used = 0
+
+    def take(self, cid: str) -> None:
+        if self.per_min <= 0:
+            return
+        window = int(time.monotonic() // 60)
+        if window != self.window:
+            self.window, self.used = window, 0
+        self.used += 1
+        if self.used > self.per_min:
+            raise ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.per_min} resume attempts per minute "
+                                                        "on one socket", cid)
+
+
 async def resume(handler: MessageHandler, msg: Resume) -> None:
     cid, hub = msg.id, handler.hub
+    handler.resume_budget.take(cid)
     handler.check_new_id(cid)
     rid = await hub.submitter.lookup_alias(handler.key_id, cid)
     if rid is None or (msg.request_id is not None and msg.request_id != rid):
