@@ -22,11 +22,10 @@ import logging
 import time
 from typing import Callable
 
-import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.streams import ENTRY_FIELD, as_str
+from shared.streams import ENTRY_FIELD, as_str, decode_event_list
 
 log = logging.getLogger("gateway.inbox")
 
@@ -42,16 +41,6 @@ class Subscriber:
         self.callback = callback
         self.epoch = 0          # highest writer epoch seen; lower ones are stale
         self.closed = False
-
-
-def decode_batch(raw: bytes | None) -> list[dict]:
-    """An inbox entry's `d`: a msgpack list of events (a single map is accepted as a list of one)."""
-    if not raw:
-        return []
-    obj = msgpack.unpackb(raw, raw=False)
-    if isinstance(obj, dict):
-        return [obj]
-    return [e for e in obj if isinstance(e, dict)] if isinstance(obj, list) else []
 
 
 class Inbox:
@@ -103,7 +92,9 @@ class Inbox:
         backoff = 0.05
         while True:
             try:
-                reply = await self.redis.xread({self.key: self._last_id}, count=self.count, block=self.block_ms)
+                # a short first read (and after an error) marks the reader healthy at once
+                block = self.block_ms if self.healthy else 1
+                reply = await self.redis.xread({self.key: self._last_id}, count=self.count, block=block)
                 self.healthy = True
                 backoff = 0.05
                 for _key, entries in reply or ():
@@ -124,11 +115,13 @@ class Inbox:
     def _deliver(self, raw: bytes | None) -> None:
         self.batches += 1
         try:
-            events = decode_batch(raw)
+            events = decode_event_list(raw) if raw else []
         except Exception:
             log.error("undecodable inbox entry on %s", self.key)
             return
         for ev in events:
+            if not isinstance(ev, dict):
+                continue
             sub = self._subs.get(ev.get("rid"))
             if sub is None or sub.closed:
                 continue

@@ -22,17 +22,16 @@ from __future__ import annotations
 import logging
 import time
 
-import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.streams import ENTRY_FIELD, META_ATT, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str
+from shared.streams import (ENTRY_FIELD, META_ATT, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str,
+                            decode_event, encode_attach, encode_cancel)
 
 log = logging.getLogger("gateway.submit")
 
 CTL_MAXLEN = 10000
-CONTROL_VERSION = 2
 
 # KEYS: rate, conc, requests. ARGV: rate_per_min, concurrency, lease_ms, rid, entry, maxlen.
 # Returns "ok", "rate_limited" or "concurrency_limit".
@@ -40,6 +39,7 @@ SUBMIT_LUA = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local rate, conc, lease = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if conc > 0 and redis.call('ZSCORE', KEYS[2], ARGV[4]) then return 'ok' end  -- a retried submit
 if rate > 0 then
   local n = redis.call('INCR', KEYS[1])
   if n == 1 then redis.call('EXPIRE', KEYS[1], 120) end
@@ -47,20 +47,13 @@ if rate > 0 then
 end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
-  if not redis.call('ZSCORE', KEYS[2], ARGV[4]) and redis.call('ZCARD', KEYS[2]) >= conc then
-    return 'concurrency_limit'
-  end
+  if redis.call('ZCARD', KEYS[2]) >= conc then return 'concurrency_limit' end
   redis.call('ZADD', KEYS[2], now_ms + lease, ARGV[4])
   redis.call('PEXPIRE', KEYS[2], lease * 2)
 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'd', ARGV[5])
 return 'ok'
 """
-
-
-def encode_control(kind: str, rid: str, **fields) -> bytes:
-    """A control entry on `p:{w:<id>}:ctl` (field `d`): {"v": 2, "k": "cancel"|"attach", "rid", ...}."""
-    return msgpack.packb({"v": CONTROL_VERSION, "k": kind, "rid": rid, **fields}, use_bin_type=True)
 
 
 class Submitter:
@@ -162,7 +155,7 @@ class Submitter:
         if owner is None:
             return None
         owner = as_str(owner)
-        await self.redis.xadd(self.keys.ctl(owner), {ENTRY_FIELD: encode_control("cancel", rid)},
+        await self.redis.xadd(self.keys.ctl(owner), {ENTRY_FIELD: encode_cancel(rid)},
                               maxlen=CTL_MAXLEN, approximate=True)
         return owner
 
@@ -199,7 +192,7 @@ class Submitter:
 
     async def send_attach(self, rid: str, owner: str, att: int) -> None:
         await self.redis.xadd(self.keys.ctl(owner),
-                              {ENTRY_FIELD: encode_control("attach", rid, gw=self.gw_id, att=att)},
+                              {ENTRY_FIELD: encode_attach(rid, self.gw_id, att)},
                               maxlen=CTL_MAXLEN, approximate=True)
 
     async def owner(self, rid: str) -> str | None:
@@ -208,8 +201,8 @@ class Submitter:
 
     async def read_history(self, rid: str, after_seq: int) -> list[dict]:
         """Every event of rid's history after token `after_seq` (token events and the final)."""
-        from shared.streams import decode_event
-        entries = await self.redis.xrange(self.keys.out(rid), min=f"{after_seq + 1}-0", max="+")
+        # token events are `{seq}-0`, the final `{seq}-1`: from `{after}-1` on is exactly "after"
+        entries = await self.redis.xrange(self.keys.out(rid), min=f"{after_seq}-1", max="+")
         return [decode_event(fields[ENTRY_FIELD]) for _, fields in entries]
 
     # ------------------------------------------------------------------ orphans
