@@ -147,32 +147,30 @@ class MessageHandler:
         if len(msg.stop) > s.max_stop_strings:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"at most {s.max_stop_strings} stop strings", cid)
         try:
-            await hub.limits.check_rate(self.key_id)
-            await hub.admission.admit()
+            await hub.admission.admit()          # cached: no round trip on most requests
         except ProtocolError as exc:
             exc.request_id = cid
             raise
         rid = secrets.token_hex(16)          # 128 random bits: the secret a `resume` must present
-        try:
-            await hub.limits.acquire(self.key_id, rid)
-        except ProtocolError as exc:
-            exc.request_id = cid
-            raise
-        req = self.requests.open(cid, rid, self.key_id)
-        req.slot_held = True
+        req = self.requests.open(cid, rid, self.key_id)     # subscribed before it is queued
         entry = RequestEntry(
             rid=rid,
             params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
                                   top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop)),
             prompt=msg.prompt,
             messages=[m.model_dump() for m in msg.messages] if msg.messages is not None else None,
-            priority=msg.priority, created_ms=int(time.time() * 1000), key_id=self.key_id,
+            priority=msg.priority, created_ms=int(time.time() * 1000), key_id=self.key_id, gw=hub.gw_id,
         )
         try:
-            req.epoch = await hub.submitter.submit(entry, cid)
-        except (RedisError, OSError):
-            await self.requests.drop(req)
+            await hub.submitter.submit(entry)    # rate limit + concurrency lease + queue: one round trip
+        except ProtocolError as exc:
+            self.requests.drop(req)
+            exc.request_id = cid
             raise
+        except (RedisError, OSError):
+            self.requests.drop(req)
+            raise
+        req.slot_held = True
         self.accept(req)
 
     async def _cancel(self, msg: Cancel) -> None:

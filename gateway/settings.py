@@ -32,6 +32,11 @@ class GatewaySettings(Settings):
                                                       "prefilling or decoding) ends with `stalled` (retryable); "
                                                       "0 = never")
     resume_rate_per_min: int = Field(30, description="resume attempts one socket may make per minute")
+    gateway_heartbeat_s: float = Field(1.0, description="how often a gateway refreshes its liveness entry")
+    gateway_ttl_s: float = Field(5.0, description="a gateway silent this long is dead: a survivor parks its "
+                                                  "requests for resume (cancelled after resume_grace_s)")
+    inbox_block_ms: int = Field(2000, description="XREAD BLOCK time of the inbox reader (bounds nothing but "
+                                                  "idle round trips)")
     ws_max_size: int = Field(0, description="WebSocket frames above this close the socket (1009); "
                                             "0 = 4 x max_frame_bytes so oversize frames up to that get a typed error")
 

@@ -77,14 +77,15 @@ def spawn(module: str, env: dict, log_dir: Path, name: str) -> Proc:
 
 
 def wait_for_worker(redis_url: str, prefix: str, proc: Proc, *, count: int = 1, timeout: float = 120.0) -> None:
-    """A worker is ready once it is in the registry zset `{p}:workers`."""
+    """A worker is ready once it is in the registry zset `p:{reg}:workers`."""
+    from shared.streams import Keys
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise RuntimeError(f"worker exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
-            if client.zcard(f"{prefix}:workers") >= count:
+            if client.zcard(Keys(prefix).workers) >= count:
                 return
             time.sleep(0.1)
     finally:
