@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -72,7 +73,19 @@ async def readyz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     hub: Hub = request.app.state.hub
+    if not admin_allowed(request, hub.settings.admin_token.get_secret_value()):
+        return Response("admin token required (Authorization: Bearer ADMIN_TOKEN)\n", status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
     return Response(hub.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def admin_allowed(request: Request, token: str) -> bool:
+    """ADMIN_TOKEN guards the admin endpoints (/metrics: its labels name API keys and error
+    rates); empty = open, e.g. when only the cluster network can reach the port."""
+    if not token:
+        return True
+    presented = bearer_token(request.headers.get("authorization")) or ""
+    return hmac.compare_digest(presented.encode(), token.encode())
 
 
 async def index(request: Request) -> Response:

@@ -61,5 +61,11 @@ class Connection:
     def check_slow(self, now: float) -> None:
         self.sender.check_slow(now)
 
+    def end_stalled(self, now: float, stall_s: float) -> list[str]:
+        """Request ids ended here for lack of progress (the caller cancels them in Redis)."""
+        if not len(self.requests):
+            return []
+        return [req.rid for req in self.requests.end_stalled(now, stall_s)]
+
     def held_slots(self) -> list[tuple[str, str]]:
         return self.requests.held_slots()

@@ -85,6 +85,13 @@ class MessageHandler:
                                           getattr(msg, "id", None)))
             if self.sender.closing is not None:
                 return
+            if not self.sender.drained.is_set():
+                # replies are piling up: read no further until the sender catches up, so a client
+                # that pipelines fast is slowed by TCP instead of cut off, and one that does not
+                # read at all ends up with a blocked send (the slow-consumer watchdog's case)
+                await self.sender.drained.wait()
+                if self.sender.closing is not None:
+                    return
 
     async def _refuse(self, exc: ProtocolError) -> None:
         """Unauthenticated: say why, then close (policy violation)."""

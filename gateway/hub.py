@@ -116,9 +116,17 @@ class Hub:
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            stalled: list[str] = []
             for conn in list(self.connections):
                 conn.check_slow(now)
+                if s.request_stall_s > 0:
+                    stalled += conn.end_stalled(now, s.request_stall_s)
             try:
+                if stalled:
+                    self.metrics.stalled.inc(len(stalled))
+                    log.warning("ended %d request(s) with no progress for %gs", len(stalled), s.request_stall_s)
+                    for rid in stalled:       # a worker that wakes up must not go on for nobody
+                        await self.submitter.cancel(rid)
                 if now - last_beat >= s.gateway_heartbeat_s:
                     last_beat = now
                     await self.liveness.beat()

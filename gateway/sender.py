@@ -47,6 +47,9 @@ class Sender:
         self._wake = wake
         self._control: deque[Payload] = deque()
         self._control_bytes = 0
+        # backpressure on the reader: set while the control queue is below half its bounds
+        self.drained = asyncio.Event()
+        self.drained.set()
         self._task: asyncio.Task | None = None
         self.closing: tuple[int, str] | None = None
         self._stopped = False
@@ -84,6 +87,7 @@ class Sender:
         log.error("sender failed: %r", exc, exc_info=exc)
         self.metrics.sender_failures.inc()
         self.closing = (CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value)
+        self._discard_control()
         failure = Error(code=ErrorCode.INTERNAL, message="the gateway failed to send on this socket: "
                                                          "reconnect and resume", retryable=True)
         asyncio.get_running_loop().create_task(self.socket.close(CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value,
@@ -109,17 +113,25 @@ class Sender:
         self._control.append(payload)
         self._control_bytes += len(payload)
         self.metrics.control_queue_bytes.inc(len(payload))
+        if self._backlogged():
+            self.drained.clear()
 
     def _pop(self) -> Payload:
         payload = self._control.popleft()
         self._control_bytes -= len(payload)
         self.metrics.control_queue_bytes.dec(len(payload))
+        if not self.drained.is_set() and not self._backlogged():
+            self.drained.set()
         return payload
+
+    def _backlogged(self) -> bool:
+        return 2 * len(self._control) >= self.s.send_queue_max or 2 * self._control_bytes >= self.s.send_queue_max_bytes
 
     def _discard_control(self) -> None:
         self.metrics.control_queue_bytes.dec(self._control_bytes)
         self._control.clear()
         self._control_bytes = 0
+        self.drained.set()      # nothing left to wait for (also wakes a reader held back on a dead socket)
 
     # ------------------------------------------------------------------ closing
 
