@@ -15,14 +15,12 @@ message with an id means the message was refused and nothing was started (or res
 
 from __future__ import annotations
 
-import asyncio
-
 from starlette.websockets import WebSocketDisconnect
 
 from gateway.dispatch import MessageHandler
 from gateway.hub import Hub
 from gateway.requests import RequestTable
-from gateway.sender import Sender
+from gateway.sender import Sender, WakeEvent
 from gateway.socket_caps import SocketClaim
 from gateway.socket_io import CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, FrameSocket
 from shared.errors import ErrorCode
@@ -32,7 +30,8 @@ from shared.protocol import Error
 class Connection:
     def __init__(self, hub: Hub, socket: FrameSocket, *, key_id: str | None, claim: SocketClaim):
         self.hub = hub
-        wake = asyncio.Event()   # set whenever the sender has something to do
+        wake = WakeEvent()       # set whenever the sender has something to do
+        self.closed = False
         self.socket = socket
         self.requests = RequestTable(hub, wake)
         self.sender = Sender(self.socket, self.requests, wake, hub.settings, hub.metrics)
@@ -42,12 +41,13 @@ class Connection:
         hub = self.hub
         hub.connections.add(self)
         hub.metrics.active_sockets.inc()
-        self.sender.start()
+        hub.heartbeats.add(self, self.socket.last_send + hub.settings.heartbeat_s)
         try:
             await self.handler.read_loop()
         except WebSocketDisconnect:
             pass
         finally:
+            self.closed = True
             await self.sender.stop()
             await self.requests.release_all()
             hub.connections.discard(self)

@@ -37,8 +37,21 @@ from shared.protocol import Error, Heartbeat
 log = logging.getLogger("gateway.connection")
 
 
+class WakeEvent(asyncio.Event):
+    """The sender's wake-up: setting it also starts the sender task if none is running, so an
+    idle socket needs no task at all (see heartbeats.py for how heartbeats reach it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_set = lambda: None
+
+    def set(self) -> None:
+        super().set()
+        self.on_set()
+
+
 class Sender:
-    def __init__(self, socket: FrameSocket, requests: RequestTable, wake: asyncio.Event, settings: GatewaySettings,
+    def __init__(self, socket: FrameSocket, requests: RequestTable, wake: WakeEvent, settings: GatewaySettings,
                  metrics: GatewayMetrics):
         self.socket = socket
         self.requests = requests
@@ -53,12 +66,23 @@ class Sender:
         self._task: asyncio.Task | None = None
         self.closing: tuple[int, str] | None = None
         self._stopped = False
+        self._over = False          # the socket was closed, aborted or failed: nothing more goes out
+        self._heartbeat_due = False
+        wake.on_set = self._ensure_running
 
     # ------------------------------------------------------------------ task
 
-    def start(self) -> None:
+    def _ensure_running(self) -> None:
+        """Start the sender task unless it runs; it ends by itself once the socket is idle."""
+        if self._stopped or self._over or (self._task is not None and not self._task.done()):
+            return
         self._task = asyncio.get_running_loop().create_task(self._send_loop())
         self._task.add_done_callback(self._ended)
+
+    def heartbeat(self) -> None:
+        """Called by the heartbeat wheel: nothing was sent for HEARTBEAT_S."""
+        self._heartbeat_due = True
+        self._wake.set()
 
     async def stop(self) -> None:
         self._stopped = True
@@ -87,6 +111,7 @@ class Sender:
         log.error("sender failed: %r", exc, exc_info=exc)
         self.metrics.sender_failures.inc()
         self.closing = (CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value)
+        self._over = True
         self._discard_control()
         failure = Error(code=ErrorCode.INTERNAL, message="the gateway failed to send on this socket: "
                                                          "reconnect and resume", retryable=True)
@@ -152,6 +177,7 @@ class Sender:
         log.info("closing slow consumer: %s", why)
         self.metrics.slow_consumers.inc()
         self.closing = (CLOSE_TRY_AGAIN_LATER, ErrorCode.SLOW_CONSUMER.value)
+        self._over = True
         if self._task:
             self._task.cancel()
         self._discard_control()
@@ -162,15 +188,19 @@ class Sender:
     # ------------------------------------------------------------------ the loop
 
     async def _send_loop(self) -> None:
-        hb = self.s.heartbeat_s
         socket = self.socket
         while True:
-            timeout = self._next_timeout(hb)
-            if not self._wake.is_set() and timeout > 0:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+            if not self._wake.is_set():
+                if not self._control and not len(self.requests) and self.closing is None:
+                    return      # idle: no task while there is nothing to send (the wheel sends heartbeats)
+                timeout = self._next_timeout()
+                if timeout is None:
+                    await self._wake.wait()
+                elif timeout > 0:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except asyncio.TimeoutError:
+                        pass
             self._wake.clear()
             now = time.monotonic()
             closing = self.closing is not None
@@ -186,19 +216,22 @@ class Sender:
                 while self._control:
                     await socket.send_payload(self._pop())
                 code, reason = self.closing
+                self._over = True
                 await socket.close(code, reason)
                 return
-            if hb > 0 and time.monotonic() - socket.last_send >= hb:
-                await socket.send(Heartbeat(ts=time.time()))
+            if self._heartbeat_due:
+                self._heartbeat_due = False
+                if time.monotonic() - socket.last_send >= self.s.heartbeat_s / 2:
+                    await socket.send(Heartbeat(ts=time.time()))
 
-    def _next_timeout(self, hb: float) -> float:
-        now = time.monotonic()
-        soonest = self.socket.last_send + hb if hb > 0 else now + 3600
+    def _next_timeout(self) -> float | None:
+        """Seconds until the soonest buffer is due; None when nothing is buffered."""
+        soonest = None
         for req in self.requests.values():
             d = req.buffer.deadline()
-            if d is not None and d < soonest:
+            if d is not None and (soonest is None or d < soonest):
                 soonest = d
-        return max(0.0, soonest - now)
+        return None if soonest is None else max(0.0, soonest - time.monotonic())
 
     async def _flush_request(self, req: RequestState, now: float) -> None:
         if req.buffer.due(now) or (req.final is not None and not req.buffer.empty):
