@@ -106,13 +106,13 @@ class Sender:
         if task.cancelled() or task.exception() is None or self._stopped:
             return
         exc = task.exception()
+        self._over = True
+        self._discard_control()     # also releases a reader held back by backpressure, so it sees the end
         if isinstance(exc, (WebSocketDisconnect, OSError)) or self.closing is not None:
             return      # the client went away or the socket is being closed: the reader sees the disconnect
         log.error("sender failed: %r", exc, exc_info=exc)
         self.metrics.sender_failures.inc()
         self.closing = (CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value)
-        self._over = True
-        self._discard_control()
         failure = Error(code=ErrorCode.INTERNAL, message="the gateway failed to send on this socket: "
                                                          "reconnect and resume", retryable=True)
         asyncio.get_running_loop().create_task(self.socket.close(CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value,

@@ -77,7 +77,7 @@ async def test_frame_beyond_the_websocket_limit_closes_only_that_socket(redis_se
         await bad.ws.send("x" * (gw.settings.ws_max_size_bytes + 10))
         with pytest.raises(websockets.ConnectionClosed) as info:
             await bad.recv_any(timeout=5)
-        assert info.value.rcvd is None or info.value.rcvd.code == 1009
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1009     # required, not optional
         await other.send(type="ping", nonce=1)
         assert (await other.recv_any())["type"] == "pong"
         await other.close()

@@ -286,7 +286,7 @@ async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
 
 
 async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings, redis_client, worker_prefix):
-    settings = make_settings(heartbeat_s=0.3, ping_timeout_s=0.5)
+    settings = make_settings(heartbeat_s=0.3, ws_ping_s=0.3, ping_timeout_s=0.5)
     async with gateway_in_process(settings) as gw:
         idle = await GatewayClient.connect(gw.ws_url)
         msg = await idle.recv_any(timeout=3)
