@@ -224,7 +224,8 @@ class OutputWriter:
                 except asyncio.TimeoutError:
                     pass
             wake.clear()
-            route(take_outputs(), states)
+            if queued_outputs(states) < self.settings.output_buffer_max:
+                route(take_outputs(), states)   # else leave them: the engine pauses on a full buffer
             now = time.monotonic()
             if now >= next_tick:
                 batch = [st for st in states.values() if st.has_news or st.final_written]
@@ -253,6 +254,12 @@ class OutputWriter:
         await self.redis.xadd(self.keys.inbox(gw), {ENTRY_FIELD: pack_event_list([encode_attach_marker(rid, None, 0, att)])},
                               maxlen=INBOX_MAXLEN, approximate=True)
 
+
+
+def queued_outputs(states: dict[str, InFlight]) -> int:
+    """Tokens and events waiting to be written (bounded like the engine's output buffer, so a
+    long Redis outage pauses the engine instead of growing memory)."""
+    return sum(len(st.pending_ids) + len(st.unsent) for st in states.values())
 
 
 def route(outputs: list[StepOutput], states: dict[str, InFlight]) -> None:
