@@ -14,9 +14,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.backlog import live_workers
 from shared.localredis import LocalRedis
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, encode_event
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, encode_tok, history_id
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
-from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
+from tests.worker_redis import check_seqs, new_rid, owner_of, read_events, submit, text_of, wait_for_tokens
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
@@ -54,12 +54,12 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
                                                    entry(rnd, max_tokens=600, temperature=0.9)])
         for rid in (greedy, seeded, rnd):
             await wait_for_tokens(redis_client, keys, rid, 20)
-        owners = {(await redis_client.get(keys.owner(r))).decode() for r in (greedy, seeded, rnd)}
+        owners = {await owner_of(redis_client, keys, r) for r in (greedy, seeded, rnd)}
         assert len(owners) == 1
         victim = next(p for p, name in zip(procs, ("wa", "wb")) if name in owners)
         survivor = next(p for p in procs if p is not victim)
         victim.signal(signal.SIGKILL)
-        killed_at = time.monotonic()
+        killed_at, killed_ms = time.monotonic(), time.time() * 1000
         for rid in (greedy, seeded, rnd):  # a killed worker writes nothing more: they were mid-stream
             last = await redis_client.xrevrange(keys.out(rid), count=1)
             assert last[0][0].endswith(b"-0"), "finished before the kill"
@@ -70,7 +70,7 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
         # the random one ends with a clear retryable error, after the tokens it had
         assert ev_rnd[-1]["k"] == "err" and ev_rnd[-1]["code"] == "worker_lost" and ev_rnd[-1]["retryable"]
         check_seqs(ev_rnd)
-        assert ev_rnd[-1]["_t"] - killed_at < 15
+        assert ev_rnd[-1]["ms"] - killed_ms < 15_000   # written by the survivor (its clock), not read time
         # deterministic ones finish seamlessly: seq continues, text identical to an uninterrupted run
         for rid, params in ((greedy, dict(temperature=0.0)), (seeded, dict(temperature=0.9, seed=7))):
             events = ev_greedy if rid == greedy else ev_seeded
@@ -79,6 +79,8 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
             assert events[-1]["usage"]["completion_tokens"] == 600
             ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=600, **params)
             assert text_of(events) == text_of(await read_events(redis_client, keys, ref, timeout=60))
+            # the claiming worker stamps the next epoch (meta.epoch bumped on claim)
+            assert {e["ep"] for e in events} == {1, 2} and events[-1]["ep"] == 2
         assert survivor.alive()
         assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
         # the registry no longer lists the dead worker (silent > WORKER_TTL_S), only the survivor
@@ -100,7 +102,7 @@ async def test_sigterm_hands_running_requests_back(redis_server, redis_client, s
         rid = new_rid()
         await submit_together(redis_client, keys, [entry(rid, max_tokens=1000, temperature=0.0)])
         await wait_for_tokens(redis_client, keys, rid, 20)
-        owner = (await redis_client.get(keys.owner(rid))).decode()
+        owner = await owner_of(redis_client, keys, rid)
         victim = procs[0] if owner == "wa" else procs[1]
         t0 = time.monotonic()
         victim.signal(signal.SIGTERM)
@@ -158,10 +160,9 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
     await redis_client.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
     rid = await submit(redis_client, keys, max_tokens=5)
     # its last (dead) worker had already streamed two tokens
-    from worker.events import tok_id
     for seq in (1, 2):
-        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: encode_event("tok", seq, text="x", n=1, t=seq)},
-                                id=tok_id(seq))
+        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: encode_tok(rid, seq, [7], "x", 1, 0)},
+                                id=history_id(seq, False))
     resp = await redis_client.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"}, count=1)
     entry_id = resp[0][1][0][0]
     await redis_client.xclaim(keys.requests, CONSUMER_GROUP, "ghost", 0, [entry_id], retrycount=9, idle=10_000_000,

@@ -65,6 +65,7 @@ async def read_inbox(redis, keys: Keys, gw: str, rids: set[str], *, timeout: flo
                 sizes.append(len(events))
                 for ev in events:
                     ev["_t"] = time.monotonic()
+                    ev["_written_ms"] = int(last.split("-")[0])    # Redis clock at the XADD
                     if ev["rid"] in per_rid:
                         per_rid[ev["rid"]].append(ev)
                         if ev["k"] in ("done", "err"):
