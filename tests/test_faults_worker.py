@@ -1,6 +1,7 @@
 """Worker-side faults with a real redis-server and real `python -m worker` processes:
 SIGKILL mid-stream (claim + replay / worker_lost), SIGTERM hand-back, Redis restart
-mid-stream, and requests that keep failing (dead-lettered after max deliveries)."""
+mid-stream, Redis refusing writes (OOM under noeviction), and requests that keep failing
+(dead-lettered after max deliveries)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from shared.backlog import live_workers
 from shared.localredis import LocalRedis
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, encode_tok, history_id
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
-from tests.worker_redis import check_seqs, new_rid, owner_of, read_events, submit, text_of, wait_for_tokens
+from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, read_events, read_inbox, submit,
+                                text_of, wait_for_tokens)
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
@@ -104,13 +106,15 @@ async def test_sigterm_hands_running_requests_back(redis_server, redis_client, s
         await wait_for_tokens(redis_client, keys, rid, 20)
         owner = await owner_of(redis_client, keys, rid)
         victim = procs[0] if owner == "wa" else procs[1]
-        t0 = time.monotonic()
+        t0_ms = time.time() * 1000
         victim.signal(signal.SIGTERM)
         assert victim.popen.wait(15) == 0
         events = await read_events(redis_client, keys, rid, timeout=60)
         assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 1000
         check_seqs(events)
-        assert events[-1]["_t"] - t0 < 15  # well before CLAIM_IDLE_MS would let anyone claim it
+        # the survivor (epoch 2) continued well before CLAIM_IDLE_MS (20 s) would let anyone claim it
+        resumed = next(e for e in events if e["ep"] == 2)
+        assert resumed["ms"] - t0_ms < 10_000, resumed["ms"] - t0_ms
         assert "handed back 1 requests" in victim.log()
         assert await redis_client.zscore(keys.workers, owner) is None  # deregistered
         ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=1000, temperature=0.0)
@@ -174,6 +178,9 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
         ev = events[-1]
         assert ev["k"] == "err" and ev["code"] == "worker_lost" and ev["retryable"] is False
         check_seqs(events)                                  # final seq follows the delivered tokens
+        deadline = time.monotonic() + 10     # dead letter + ack follow the final (one MULTI on {q})
+        while not await redis_client.xlen(keys.dead) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         dead = await redis_client.xrange(keys.dead)
         assert len(dead) == 1 and b"delivered 10 times" in dead[0][1][b"reason"]
         assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
@@ -181,3 +188,54 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
         assert (await read_events(redis_client, keys, ok))[-1]["k"] == "done"
     finally:
         proc.stop()
+
+
+async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(tiny_model_dir, tmp_path):
+    """Redis full (`maxmemory` below its use, `noeviction`): every output write is refused with
+    OOM. Nothing the engine produced may be dropped: the tokens stay queued, the request is given
+    up after repeated refusals (engine slot freed) and, once Redis accepts writes again, the client
+    finds every token followed by a retryable `output_write_failed`; the entry is acked and its
+    concurrency lease released; the worker keeps serving."""
+    server = LocalRedis().start()
+    client = aioredis.from_url(server.url)
+    keys = Keys("oom")
+    proc = start_worker(server.url, "oom", tiny_model_dir, tmp_path, name="w-oom",
+                        env={**FAST_CLAIM, "CLAIM_IDLE_MS": 60000, "MAX_BATCH": 1})
+    try:
+        await client.config_set("maxmemory-policy", "noeviction")
+        gw = "g-oom"
+        rid = new_rid()
+        await client.zadd(keys.conc("k"), {rid: int(time.time() * 1000) + 600_000})
+        await submit(client, keys, rid, gw=gw, key_id="k", prompt=PROMPT, max_tokens=2000, temperature=0.0)
+        await wait_for_tokens(client, keys, rid, 10)
+        used = int((await client.info("memory"))["used_memory"])
+        await client.config_set("maxmemory", str(used // 2))
+        refused_at = await last_seq(client, keys, rid)
+        deadline = time.monotonic() + 60
+        while "giving up on" not in proc.log() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert "giving up on" in proc.log(), proc.log()[-3000:]
+        assert await last_seq(client, keys, rid) <= refused_at + 50      # writes really were refused
+        await client.config_set("maxmemory", "0")                       # Redis accepts writes again
+
+        events = await read_events(client, keys, rid, timeout=30)
+        check_seqs(events)                                              # 1..S, no gap, no repeat
+        final = events[-1]
+        assert final["k"] == "err" and final["code"] == "output_write_failed" and final["retryable"] is True
+        assert final["seq"] > refused_at            # tokens made while Redis refused were kept, then written
+        assert final["seq"] < 2000
+        ref = await submit(client, keys, prompt=PROMPT, max_tokens=final["seq"], temperature=0.0)
+        assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
+        live, _ = await read_inbox(client, keys, gw, {rid}, timeout=10)
+        assert [e["seq"] for e in dedup_live(live[rid])] == [e["seq"] for e in events]
+        deadline = time.monotonic() + 10
+        while (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await client.zscore(keys.conc("k"), rid) is None
+        assert await owner_of(client, keys, rid) is None
+        assert proc.alive()
+    finally:
+        proc.stop()
+        await client.aclose()
+        server.stop()

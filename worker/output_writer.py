@@ -34,7 +34,7 @@ import random
 import time
 from typing import Callable, Iterable
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
 
 from shared.config import Settings
 from shared.errors import ErrorCode
@@ -161,9 +161,9 @@ class OutputWriter:
                     self._inbox_ttl_at[gw] = now
             results = await pipe.execute(raise_on_error=False)
         history = results[:len(writing)]
-        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted without our script
+        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted: load it again, retry
             self._sha = None
-            history = [r if not isinstance(r, NoScriptError) else ResponseError("NOSCRIPT") for r in history]
+            raise RedisConnectionError("the history script is gone from Redis (restarted); reloading it")
         for r in results:
             if isinstance(r, TRANSIENT):
                 raise r
