@@ -34,7 +34,7 @@ import random
 import time
 from typing import Callable, Iterable
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
 
 from shared.config import Settings
 from shared.errors import ErrorCode
@@ -161,9 +161,9 @@ class OutputWriter:
                     self._inbox_ttl_at[gw] = now
             results = await pipe.execute(raise_on_error=False)
         history = results[:len(writing)]
-        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted without our script
+        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted: load it again, retry
             self._sha = None
-            history = [r if not isinstance(r, NoScriptError) else ResponseError("NOSCRIPT") for r in history]
+            raise RedisConnectionError("the history script is gone from Redis (restarted); reloading it")
         for r in results:
             if isinstance(r, TRANSIENT):
                 raise r
@@ -224,7 +224,8 @@ class OutputWriter:
                 except asyncio.TimeoutError:
                     pass
             wake.clear()
-            route(take_outputs(), states)
+            if queued_outputs(states) < self.settings.output_buffer_max:
+                route(take_outputs(), states)   # else leave them: the engine pauses on a full buffer
             now = time.monotonic()
             if now >= next_tick:
                 batch = [st for st in states.values() if st.has_news or st.final_written]
@@ -253,6 +254,12 @@ class OutputWriter:
         await self.redis.xadd(self.keys.inbox(gw), {ENTRY_FIELD: pack_event_list([encode_attach_marker(rid, None, 0, att)])},
                               maxlen=INBOX_MAXLEN, approximate=True)
 
+
+
+def queued_outputs(states: dict[str, InFlight]) -> int:
+    """Tokens and events waiting to be written (bounded like the engine's output buffer, so a
+    long Redis outage pauses the engine instead of growing memory)."""
+    return sum(len(st.pending_ids) + len(st.unsent) for st in states.values())
 
 
 def route(outputs: list[StepOutput], states: dict[str, InFlight]) -> None:
