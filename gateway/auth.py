@@ -14,11 +14,32 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from dataclasses import dataclass
 
 from shared.errors import ErrorCode, ProtocolError
 
 ANONYMOUS = "anon"
+
+
+def anonymous_identity() -> str:
+    """Each unauthenticated socket acts for its own identity ("anon:<random>"), so that one
+    anonymous client's per-key limits, sockets and requests are never another's."""
+    return f"{ANONYMOUS}:{secrets.token_hex(8)}"
+
+
+def is_anonymous(key_id: str) -> bool:
+    return key_id == ANONYMOUS or key_id.startswith(ANONYMOUS + ":")
+
+
+def may_resume(owner_key: str | None, key_id: str) -> bool:
+    """May `key_id` resume a request started by `owner_key` (the caller already presented the
+    request's secret request_id)? The same API key may; an anonymous request may be resumed by any
+    anonymous socket, since an anonymous client gets a new identity on every connection."""
+    if owner_key is None:
+        return False
+    return owner_key == key_id or (is_anonymous(owner_key) and is_anonymous(key_id))
+
 
 
 def hash_key(api_key: str) -> str:
@@ -35,6 +56,8 @@ def parse_key_list(spec: str) -> dict[str, str]:
         digest = digest.lower()
         if not sep or not name or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ValueError(f"API_KEYS entry {item!r} is not 'name:sha256hex'")
+        if is_anonymous(name):
+            raise ValueError(f"API_KEYS entry {item!r}: the name {ANONYMOUS!r} is reserved for anonymous clients")
         table[digest] = name
     return table
 
@@ -50,7 +73,7 @@ class KeyChecker:
         return cls(table, required=bool(table) or settings.auth_required)
 
     def identify(self, api_key: str | None) -> str:
-        """The key's name, ANONYMOUS when auth is off, or ProtocolError(UNAUTHORIZED)."""
+        """The key's name, a fresh anonymous identity when auth is off, or ProtocolError(UNAUTHORIZED)."""
         if not self.required:
             return self.identify_optional(api_key)
         if not api_key:
@@ -62,7 +85,7 @@ class KeyChecker:
         return name
 
     def identify_optional(self, api_key: str | None) -> str:
-        return (self._lookup(api_key) if api_key else None) or ANONYMOUS
+        return (self._lookup(api_key) if api_key else None) or anonymous_identity()
 
     def _lookup(self, api_key: str) -> str | None:
         digest = hash_key(api_key)

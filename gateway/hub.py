@@ -24,6 +24,7 @@ from gateway.inbox import Inbox
 from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
+from gateway.socket_caps import SocketCaps
 from gateway.submit import Submitter
 from shared.redis_client import connect
 from shared.streams import Keys
@@ -41,6 +42,7 @@ class Hub:
         self.metrics = GatewayMetrics()
         self.key_checker = KeyChecker.from_settings(settings)
         self.origins = OriginPolicy(settings.allowed_origins)
+        self.socket_caps = SocketCaps(per_key=settings.max_sockets_per_key, per_address=settings.max_sockets_per_address)
         self.connections: set[Connection] = set()
         self.draining = False
         self.gw_id = uuid.uuid4().hex[:16]      # random per process: a restart is a new gateway
@@ -114,9 +116,17 @@ class Hub:
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            stalled: list[str] = []
             for conn in list(self.connections):
                 conn.check_slow(now)
+                if s.request_stall_s > 0:
+                    stalled += conn.end_stalled(now, s.request_stall_s)
             try:
+                if stalled:
+                    self.metrics.stalled.inc(len(stalled))
+                    log.warning("ended %d request(s) with no progress for %gs", len(stalled), s.request_stall_s)
+                    for rid in stalled:       # a worker that wakes up must not go on for nobody
+                        await self.submitter.cancel(rid)
                 if now - last_beat >= s.gateway_heartbeat_s:
                     last_beat = now
                     await self.liveness.beat()

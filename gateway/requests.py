@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from gateway.flusher import ChunkBuffer
 from gateway.frames import done_frame
 from gateway.inbox import Subscriber
+from shared.errors import ErrorCode
 from shared.protocol import Done
 from shared.streams import FINAL_KINDS
 
@@ -40,7 +41,8 @@ log = logging.getLogger("gateway.connection")
 class RequestState:
     __slots__ = ("client_id", "rid", "key_id", "buffer", "sub", "seq", "fed_seq", "final", "accepted",
                  "started", "first_sent", "last_sent", "att", "cancel_requested", "cancel_timer",
-                 "resumed", "slot_held", "finished", "attaching", "catching_up", "catch_again", "held", "attach_timer")
+                 "resumed", "slot_held", "finished", "attaching", "catching_up", "catch_again", "held", "attach_timer",
+                 "progress_at")
 
     def __init__(self, client_id: str, rid: str, key_id: str, buffer: ChunkBuffer, *, skip_seq: int = 0,
                  resumed: bool = False):
@@ -67,6 +69,7 @@ class RequestState:
         self.catch_again = False     # a marker came during that read: read once more after it
         self.held: list[dict] = []   # live events held back while attaching / catching up
         self.attach_timer: asyncio.TimerHandle | None = None
+        self.progress_at = self.started  # last event of any kind for this request (stall watchdog)
 
 
 class RequestTable:
@@ -178,12 +181,29 @@ class RequestTable:
             req.final = {"k": "done", "seq": req.fed_seq, "finish_reason": "cancelled", "usage": {}, "local": True}
             self._wake.set()
 
+    # ------------------------------------------------------------------ stall watchdog
+
+    def end_stalled(self, now: float, stall_s: float) -> list[RequestState]:
+        """End requests with no event of any kind for `stall_s` (queued, prefilling or decoding
+        alike) with a retryable `stalled` error; returns them so the caller cancels them."""
+        stalled = []
+        for req in self._by_id.values():
+            if req.final is None and not req.finished and req.accepted and now - req.progress_at > stall_s:
+                req.final = {"k": "err", "seq": req.fed_seq, "code": ErrorCode.STALLED.value, "retryable": True,
+                             "message": f"no output for {stall_s:g}s: the worker went silent; retry the request",
+                             "local": True}
+                stalled.append(req)
+        if stalled:
+            self._wake.set()
+        return stalled
+
     # ------------------------------------------------------------------ output events
 
     def on_event(self, req: RequestState, ev: dict) -> None:
         """A live event from the inbox (never awaits)."""
         if req.finished or req.final is not None:
             return
+        req.progress_at = time.monotonic()
         kind = ev.get("k")
         if kind == "att":
             if int(ev.get("att") or 0) >= req.att and req.attaching:
@@ -196,6 +216,7 @@ class RequestTable:
         self._feed(req, ev)
 
     def _feed(self, req: RequestState, ev: dict) -> None:
+        req.progress_at = time.monotonic()
         kind = ev.get("k")
         seq = int(ev.get("seq") or 0)
         if kind == "tok":

@@ -1,9 +1,11 @@
 """`resume`: re-attach a request started on an earlier socket (any replica) to this one, exactly.
 
 Authorization and the attach both live here, so what a resume may see is decided in one place:
-the request is named by its server-issued `request_id` (128-bit random), and the API key that
-resumes must be the one that started it (meta.key); anything else is `resume_expired`, with no
-hint whether the id exists.
+the request is named by its server-issued `request_id` (128-bit random, required), and the API
+key that resumes must be the one that started it (meta.key; an anonymous request may be resumed
+by any anonymous socket that presents its request_id, since anonymous clients get a new identity
+per connection); anything else is `resume_expired`, with no hint whether the id exists. Each
+socket may try at most RESUME_RATE_PER_MIN resumes a minute.
 
 Joining history and live without a gap (docs/transport.md):
 1. subscribe rid in this replica's inbox first, holding live events back (`attaching`);
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from gateway.auth import may_resume
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Resume
 from shared.streams import META_KEY
@@ -39,16 +43,38 @@ log = logging.getLogger("gateway.resume")
 ATTACH_RETRY_S = 1.0
 
 
+class ResumeBudget:
+    """At most `per_min` resume attempts per socket per minute (a fixed window): request ids are
+    unguessable, and this keeps anyone from even trying many of them over one socket."""
+
+    __slots__ = ("per_min", "window", "used")
+
+    def __init__(self, per_min: int):
+        self.per_min = per_min
+        self.window = 0
+        self.used = 0
+
+    def take(self, cid: str) -> None:
+        if self.per_min <= 0:
+            return
+        window = int(time.monotonic() // 60)
+        if window != self.window:
+            self.window, self.used = window, 0
+        self.used += 1
+        if self.used > self.per_min:
+            raise ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.per_min} resume attempts per minute "
+                                                        "on one socket", cid)
+
+
 async def resume(handler: MessageHandler, msg: Resume) -> None:
     cid, hub = msg.id, handler.hub
+    handler.resume_budget.take(cid)
     handler.check_new_id(cid)
-    rid = msg.request_id
-    expired = ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
-    if not rid:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, "resume needs the request_id from `accepted`", cid)
+    rid = msg.request_id      # required by the schema: the 128-bit secret from `accepted`
     meta = await hub.submitter.lookup(rid)
-    if meta is None or meta.get(META_KEY) != handler.key_id:
-        raise expired
+    if meta is None or not may_resume(meta.get(META_KEY), handler.key_id):
+        # the same answer whether the id is unknown or another key's: no hint that it exists
+        raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
     req = handler.requests.open(cid, rid, handler.key_id, skip_seq=msg.last_seq, resumed=True)
     try:
         req.att, owner, _ = await hub.submitter.attach(rid)

@@ -21,6 +21,17 @@ class GatewaySettings(Settings):
     cancel_fallback_s: float = Field(5.0, description="if the worker has not confirmed a cancel after this long, "
                                                       "the gateway finishes the request itself")
     sweep_interval_s: float = Field(0.5, description="how often orphaned requests past their grace are looked for")
+    send_queue_max_bytes: int = Field(64 * 1024, description="bytes of control frames (accepted, error, pong) "
+                                                             "queued per socket before the client is too slow")
+    max_sockets_per_key: int = Field(0, description="open sockets one API key may hold on this replica "
+                                                    "(0 = no cap; anonymous sockets are capped per address)")
+    max_sockets_per_address: int = Field(1000, description="open sockets one client address may hold on this "
+                                                           "replica (0 = no cap); behind a proxy set "
+                                                           "FORWARDED_ALLOW_IPS so the real address is seen")
+    request_stall_s: float = Field(120.0, description="a request with no output event for this long (queued, "
+                                                      "prefilling or decoding) ends with `stalled` (retryable); "
+                                                      "0 = never")
+    resume_rate_per_min: int = Field(30, description="resume attempts one socket may make per minute")
     gateway_heartbeat_s: float = Field(1.0, description="how often a gateway refreshes its liveness entry")
     gateway_ttl_s: float = Field(5.0, description="a gateway silent this long is dead: a survivor parks its "
                                                   "requests for resume (cancelled after resume_grace_s)")
