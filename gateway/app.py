@@ -34,6 +34,7 @@ async def stream(ws: WebSocket) -> None:
     binary = subprotocol == MSGPACK_SUBPROTOCOL
     await ws.accept(subprotocol=subprotocol)
     socket = FrameSocket(ws, binary=binary, metrics=hub.metrics)
+    socket.limit_send_buffer(hub.settings.socket_send_buffer)
     claim = None
     try:
         if hub.draining:

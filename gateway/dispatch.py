@@ -187,5 +187,10 @@ class MessageHandler:
         if req.cancel_requested or req.final is not None:
             return
         req.cancel_requested = True
-        await self.hub.submitter.cancel(req.rid)
-        self.requests.start_cancel_fallback(req)
+        owner = await self.hub.submitter.cancel(req.rid)
+        if owner is None:
+            # still in the queue: no worker holds it, and the flag (set first) keeps any from
+            # starting it, so it ends now instead of when a batch slot frees up
+            self.requests.end_cancelled(req)
+        else:
+            self.requests.start_cancel_fallback(req)

@@ -173,9 +173,10 @@ class RequestTable:
 
     def start_cancel_fallback(self, req: RequestState) -> None:
         """If no worker confirms the cancel (e.g. all dead), finish it here rather than leave the client waiting."""
-        req.cancel_timer = asyncio.get_running_loop().call_later(self.s.cancel_fallback_s, self._cancel_fallback, req)
+        req.cancel_timer = asyncio.get_running_loop().call_later(self.s.cancel_fallback_s, self.end_cancelled, req)
 
-    def _cancel_fallback(self, req: RequestState) -> None:
+    def end_cancelled(self, req: RequestState) -> None:
+        """End a cancelled request here (no worker will, or none confirmed in time)."""
         req.cancel_timer = None
         if req.final is None and not req.finished:
             req.final = {"k": "done", "seq": req.fed_seq, "finish_reason": "cancelled", "usage": {}, "local": True}

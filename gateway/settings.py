@@ -37,6 +37,9 @@ class GatewaySettings(Settings):
                                                   "requests for resume (cancelled after resume_grace_s)")
     inbox_block_ms: int = Field(2000, description="XREAD BLOCK time of the inbox reader (bounds nothing but "
                                                   "idle round trips)")
+    socket_send_buffer: int = Field(0, description="SO_SNDBUF of each client socket in bytes (0 = the kernel's "
+                                                   "auto-tuning, up to tcp_wmem max); bounds kernel memory per "
+                                                   "non-reading client and how soon it is detected")
     ws_max_size: int = Field(0, description="WebSocket frames above this close the socket (1009); "
                                             "0 = 4 x max_frame_bytes so oversize frames up to that get a typed error")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket as _socket
 import time
 
 from pydantic import BaseModel
@@ -88,6 +89,15 @@ class FrameSocket:
         except Exception:
             # a client that does not read cannot receive a close frame either
             self.abort()
+
+    def limit_send_buffer(self, nbytes: int) -> None:
+        """Cap the kernel's send buffer of this socket (SO_SNDBUF; Linux doubles the value). The
+        kernel otherwise grows it up to net.ipv4.tcp_wmem's max (4 MiB) for a client that does
+        not read, before a send ever blocks; token streams need far less, even over long links."""
+        transport = self.ws.scope.get(TRANSPORT_SCOPE_KEY)
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None and nbytes > 0:
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF, nbytes)
 
     def abort(self) -> None:
         """Drop the TCP connection at once (buffered output is discarded)."""

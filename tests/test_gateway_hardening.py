@@ -379,3 +379,61 @@ async def test_admin_token_guards_the_metrics_endpoint(redis_server, stream_pref
     async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert (await http.get("/metrics")).status_code == 200      # no token configured: open
+
+
+# ---------------------------------------------------------------------------- cancel, drain, retention
+
+async def test_cancel_fallback_when_the_owning_worker_never_confirms(redis_server, stream_prefix, redis_client):
+    await silent_worker(redis_client, stream_prefix)
+    async with gateway_in_process(settings_for(redis_server, stream_prefix, cancel_fallback_s=0.8)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        rid = await start(c, "f")
+        await redis_client.hset(Keys(stream_prefix).meta(rid), "owner", "ghost")   # taken by a worker that froze
+        t0 = time.monotonic()
+        await c.send(type="cancel", id="f")
+        chunks, done = await c.until_done("f", timeout=10)
+        waited = time.monotonic() - t0
+        assert done["finish_reason"] == "cancelled" and not chunks
+        assert 0.7 <= waited < 5, waited                          # it waited for the worker, then gave up
+        await c.send(type="cancel", id="f")
+        assert (await c.recv("f"))["code"] == "unknown_id"        # finished: nothing left to cancel
+        await c.close()
+
+
+async def test_draining_readyz_503_and_shutting_down(redis_server, stream_prefix):
+    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        async with httpx.AsyncClient(base_url=gw.base) as http:
+            for _ in range(50):
+                if (await http.get("/readyz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+            drain = asyncio.create_task(gw.hub.drain(timeout=5))
+            err = await c.recv_any(timeout=5)
+            assert err["type"] == "error" and err["code"] == "shutting_down" and err["retryable"] is True
+            assert await closed_with(c) == 1012
+            ready = await http.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["draining"] is True
+            late = await GatewayClient.connect(gw.ws_url)             # a socket opened while draining
+            assert (await late.recv_any())["code"] == "shutting_down"
+            assert await closed_with(late) == 1012
+            await drain
+
+
+async def test_resume_expired_after_output_ttl(redis_server, stream_prefix, redis_client):
+    await silent_worker(redis_client, stream_prefix)
+    async with gateway_in_process(settings_for(redis_server, stream_prefix, output_ttl_s=1,
+                                               resume_grace_s=30)) as gw:
+        a = await GatewayClient.connect(gw.ws_url)
+        rid = await start(a, "t")
+        await a.close()
+        b = await GatewayClient.connect(gw.ws_url)
+        await b.send(type="resume", id="t", last_seq=0, request_id=rid)    # within the TTL: fine
+        assert (await b.recv("t"))["type"] == "accepted"
+        await b.close()
+        await asyncio.sleep(2.2)
+        c = await GatewayClient.connect(gw.ws_url)
+        await c.send(type="resume", id="t", last_seq=0, request_id=rid)
+        reply = await c.recv("t")
+        assert reply["type"] == "error" and reply["code"] == "resume_expired" and reply["retryable"] is False
+        await c.close()
