@@ -17,13 +17,15 @@ import time
 
 import redis.asyncio as aioredis
 
-from gateway.auth import ANONYMOUS
+from gateway.auth import hash_key
 from shared.localredis import LocalRedis
 from shared.streams import ENTRY_FIELD, Keys, decode_event
 from tests.gateway_client import GatewayClient
 from tests.stack_fixtures import _env, spawn, start_gateway, wait_for_worker
 
 LONG = 3500      # tokens: far more than the tiny model makes in the few seconds a test waits
+KEY, KEY_ID = "s3cret-liveness", "alice"     # a real API key: its limits are shared by all its sockets
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def start_worker_proc(url: str, prefix: str, model_dir, log_dir, name: str = "w0", **env):
@@ -36,7 +38,8 @@ def start_worker_proc(url: str, prefix: str, model_dir, log_dir, name: str = "w0
 
 def gw_env(**extra) -> dict:
     env = {"MAX_TOKENS_CAP": LONG, "PER_KEY_RATE_PER_MIN": 100000, "FLUSH_INTERVAL_MS": 30, "HEARTBEAT_S": 0,
-           "GATEWAY_HEARTBEAT_S": 0.3, "GATEWAY_TTL_S": 1.5, "SWEEP_INTERVAL_S": 0.1}
+           "GATEWAY_HEARTBEAT_S": 0.3, "GATEWAY_TTL_S": 1.5, "SWEEP_INTERVAL_S": 0.1,
+           "API_KEYS": f"{KEY_ID}:{hash_key(KEY)}"}
     env.update(extra)
     return env
 
@@ -68,7 +71,7 @@ async def test_sigkilled_gateways_requests_are_parked_and_cancelled_by_a_survivo
     gw_a, base_a = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-a", env=env)
     gw_b, _ = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-b", env=env)
     try:
-        a = await GatewayClient.connect(base_a.replace("http", "ws") + "/v1/stream")
+        a = await GatewayClient.connect(base_a.replace("http", "ws") + "/v1/stream", headers=AUTH)
         rids = []
         for i in range(3):
             accepted = await generate(a, f"k{i}")
@@ -84,7 +87,7 @@ async def test_sigkilled_gateways_requests_are_parked_and_cancelled_by_a_survivo
             assert final["k"] == "done" and final["finish_reason"] == "cancelled", final
             assert final["seq"] < LONG
         # ... and the slots of those requests are free again
-        assert await redis_client.zcard(keys.conc(ANONYMOUS)) == 0
+        assert await redis_client.zcard(keys.conc(KEY_ID)) == 0
         assert "is dead: parked 3" in gw_b.log()
     finally:
         for p in (gw_a, gw_b, worker):
@@ -99,14 +102,14 @@ async def test_a_dropped_socket_keeps_its_slot_until_the_request_ends(redis_serv
                              env=gw_env(PER_KEY_CONCURRENCY=1, RESUME_GRACE_S=30))
     url = base.replace("http", "ws") + "/v1/stream"
     try:
-        a = await GatewayClient.connect(url)
+        a = await GatewayClient.connect(url, headers=AUTH)
         accepted = await generate(a, "x")
         assert accepted["type"] == "accepted", accepted
         rid = accepted["request_id"]
         assert (await a.recv("x", timeout=30))["type"] == "chunk"
         a.ws.transport.abort()                               # gone; the request waits for a resume
         await asyncio.sleep(0.5)
-        b = await GatewayClient.connect(url)                 # a reconnect loop: new socket, new request
+        b = await GatewayClient.connect(url, headers=AUTH)                 # a reconnect loop: new socket, new request
         refused = await generate(b, "y")
         assert refused["type"] == "error" and refused["code"] == "concurrency_limit", refused
         # the client resumes and cancels its first request: when it ends, the slot is free
@@ -116,7 +119,7 @@ async def test_a_dropped_socket_keeps_its_slot_until_the_request_ends(redis_serv
         _, done = await b.until_done("x", timeout=30)
         assert done["finish_reason"] == "cancelled", done
         for _ in range(50):
-            if await redis_client.zcard(keys.conc(ANONYMOUS)) == 0:
+            if await redis_client.zcard(keys.conc(KEY_ID)) == 0:
                 break
             await asyncio.sleep(0.1)
         again = await generate(b, "z", max_tokens=5)
@@ -140,7 +143,7 @@ async def test_after_a_redis_restart_new_requests_work_at_once_and_no_lease_leak
     url = base.replace("http", "ws") + "/v1/stream"
     try:
         # 20 streams running across the restart (each client keeps reading: nothing is orphaned)
-        running = await GatewayClient.connect(url)
+        running = await GatewayClient.connect(url, headers=AUTH)
         rids = {}
         for i in range(20):
             accepted = await generate(running, f"run{i}", max_tokens=300)
@@ -150,7 +153,7 @@ async def test_after_a_redis_restart_new_requests_work_at_once_and_no_lease_leak
         await asyncio.to_thread(server.restart, kill=True, down_for=1.5)
 
         async def one(i: int) -> dict:
-            c = await GatewayClient.connect(url)
+            c = await GatewayClient.connect(url, headers=AUTH)
             try:
                 reply = await generate(c, f"n{i}", max_tokens=8)
                 if reply["type"] != "accepted":
@@ -173,9 +176,9 @@ async def test_after_a_redis_restart_new_requests_work_at_once_and_no_lease_leak
         # every request has ended: no lease may stay held (they would expire only after
         # CONCURRENCY_LEASE_S, refusing the key meanwhile)
         deadline = time.monotonic() + 5
-        while await redis.zcard(keys.conc(ANONYMOUS)) and time.monotonic() < deadline:
+        while await redis.zcard(keys.conc(KEY_ID)) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        leaked = await redis.zrange(keys.conc(ANONYMOUS), 0, -1)
+        leaked = await redis.zrange(keys.conc(KEY_ID), 0, -1)
         assert not leaked, f"{len(leaked)} leases held after every request ended"
     finally:
         gw.stop()

@@ -152,7 +152,8 @@ class OutputWriter:
                 args = [s.output_maxlen, s.output_ttl_s, self.worker_id, int(any(f.final for f in frozen))]
                 for f in frozen:
                     args += [f.entry_id, f.payload]
-                pipe.evalsha(self._sha, 2, self.keys.out(st.rid), self.keys.meta(st.rid), *args)
+                # a raw EVALSHA: redis-py's cluster pipeline refuses its evalsha() helper
+                pipe.execute_command("EVALSHA", self._sha, 2, self.keys.out(st.rid), self.keys.meta(st.rid), *args)
             for gw, payloads in live.items():
                 inbox = self.keys.inbox(gw)
                 pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)
