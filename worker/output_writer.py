@@ -184,7 +184,7 @@ class OutputWriter:
             replies = results[i:i + n]
             i += n
             bad = next((r for r in replies if isinstance(r, Exception) and not already_written(r)), None)
-            history.append(bad if bad is not None else replies[0])
+            history.append(bad if bad is not None else True)
             if bad is None and n == 2:
                 st.ttl_set = True
         if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted: load it again, retry
