@@ -145,7 +145,10 @@ def main() -> int:
     args = parser.parse_args()
     from shared.config import get_settings
     from worker.service import WorkerService
-    settings = get_settings().model_copy(update={"max_batch": args.max_batch})
+    base = get_settings()
+    # room for a few steps of every stream, so the output buffers never throttle the pace
+    settings = base.model_copy(update={"max_batch": args.max_batch,
+                                       "output_buffer_max": max(base.output_buffer_max, 8 * args.max_batch)})
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     print(settings.log_line("synthetic worker"), flush=True)
     service = WorkerService(settings, SyntheticEngine(max_batch=args.max_batch, step_ms=args.step_ms),
