@@ -99,3 +99,27 @@ async def test_trim_keeps_pending_and_undelivered(redis_client, stream_prefix):
     await redis_client.xack(keys.requests, CONSUMER_GROUP, *ids[4:])
     await trim_finished(redis_client, keys, approximate=False)
     assert await redis_client.xlen(keys.requests) == 0
+
+
+def test_synthetic_engine_paces_steps_replays_identically_and_cancels():
+    from worker.engine import EngineRequest
+    from worker.synthetic import SyntheticEngine
+
+    eng = SyntheticEngine(max_batch=2, step_ms=5)
+    params = SamplingParams(max_tokens=6)
+    eng.add(EngineRequest("a", [1], params))
+    eng.add(EngineRequest("b", [1], params, skip_tokens=4))      # a replay: first 4 tokens suppressed
+    eng.add(EngineRequest("c", [1], params))                      # waits: batch is 2
+    t0 = time.monotonic()
+    outs = []
+    for _ in range(6):
+        outs += eng.step()
+    assert time.monotonic() - t0 >= 0.025                          # ~5 ms a step
+    a = [o for o in outs if o.rid == "a"]
+    b = [o for o in outs if o.rid == "b"]
+    assert len(a) == 6 and a[-1].finished and a[-1].finish_reason == "length"
+    assert [o.token_ids for o in b] == [o.token_ids for o in a[4:]] and [o.text for o in b] == [o.text for o in a[4:]]
+    assert all(o.text for o in a)
+    assert eng.num_running == 0 and eng.num_waiting == 1 and eng.cancel("c") and not eng.cancel("zz")
+    final = eng.step()
+    assert [(o.rid, o.finish_reason) for o in final] == [("c", "cancelled")] and not eng.has_work
