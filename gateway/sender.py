@@ -171,6 +171,8 @@ class Sender:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
+            else:
+                await asyncio.sleep(0)      # never starve the loop, whatever is due
             self._wake.clear()
             now = time.monotonic()
             closing = self.closing is not None
@@ -195,6 +197,10 @@ class Sender:
         now = time.monotonic()
         soonest = self.socket.last_send + hb if hb > 0 else now + 3600
         for req in self.requests.values():
+            # only what a pass can send: a request's first event may arrive before its `accepted`
+            # is queued (the worker is fast), and must not turn this loop into a busy one
+            if not req.accepted or req.finished:
+                continue
             d = req.buffer.deadline()
             if d is not None and d < soonest:
                 soonest = d
