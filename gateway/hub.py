@@ -58,7 +58,8 @@ class Hub:
         self.redis = connect(s.redis_url, max_connections=64)
         # the inbox reader sits in XREAD BLOCK on its own connection; its read timeout outlasts the block
         self._reader_redis = connect(s.redis_url, socket_timeout=s.inbox_block_ms / 1000 + 10)
-        self.reader = Inbox(self._reader_redis, self.keys.inbox(self.gw_id), block_ms=s.inbox_block_ms)
+        self.reader = Inbox(self._reader_redis, self.keys.inbox(self.gw_id), block_ms=s.inbox_block_ms,
+                            on_stale=self.metrics.stale_events.inc)
         self.submitter = Submitter(self.redis, self.keys, self.gw_id, request_maxlen=s.request_stream_maxlen,
                                    output_ttl_s=s.output_ttl_s, concurrency=s.per_key_concurrency,
                                    rate_per_min=s.per_key_rate_per_min, lease_s=s.concurrency_lease_s)
@@ -134,7 +135,8 @@ class Hub:
                 if now - last_beat >= s.gateway_heartbeat_s:
                     last_beat = now
                     await self.liveness.beat()
-                    await self.liveness.take_over_dead()
+                    for parked in (await self.liveness.take_over_dead()).values():
+                        self.metrics.taken_over.inc(parked)
                 cancelled = await self.submitter.sweep_orphans()
                 if cancelled:
                     log.info("cancelled %d orphaned request(s) after the resume grace", len(cancelled))

@@ -44,7 +44,8 @@ class Subscriber:
 
 
 class Inbox:
-    def __init__(self, redis: aioredis.Redis, key: str, *, block_ms: int = 2000, count: int = 256):
+    def __init__(self, redis: aioredis.Redis, key: str, *, block_ms: int = 2000, count: int = 256,
+                 on_stale: Callable[[], None] | None = None):
         self.redis = redis          # a dedicated client: it sits in XREAD BLOCK
         self.key = key
         self.block_ms = block_ms
@@ -55,6 +56,7 @@ class Inbox:
         self.healthy = False
         self.events_delivered = 0
         self.stale_dropped = 0
+        self._on_stale = on_stale
         self.batches = 0
 
     @property
@@ -128,6 +130,8 @@ class Inbox:
             ep = ev.get("ep") or 0
             if ep < sub.epoch:
                 self.stale_dropped += 1
+                if self._on_stale is not None:
+                    self._on_stale()
                 continue
             sub.epoch = ep
             self.events_delivered += 1

@@ -30,6 +30,10 @@ class GatewayMetrics:
                                          "encoded and waiting to be sent, all sockets", registry=r)
         self.stalled = Counter("gateway_stalled_requests", "requests ended with `stalled`: no output for "
                                                            "REQUEST_STALL_S", registry=r)
+        self.stale_events = Counter("gateway_stale_events_dropped", "live events dropped because a newer worker "
+                                                                    "run (epoch) of their request exists", registry=r)
+        self.taken_over = Counter("gateway_orphans_taken_over", "requests of dead gateways this replica parked "
+                                                                "for resume", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -201,6 +201,10 @@ class Sender:
                         await asyncio.wait_for(self._wake.wait(), timeout)
                     except asyncio.TimeoutError:
                         pass
+                else:
+                    await asyncio.sleep(0)  # never starve the loop, whatever is due
+            else:
+                await asyncio.sleep(0)
             self._wake.clear()
             now = time.monotonic()
             closing = self.closing is not None
@@ -228,6 +232,10 @@ class Sender:
         """Seconds until the soonest buffer is due; None when nothing is buffered."""
         soonest = None
         for req in self.requests.values():
+            # only what a pass can send: a request's first event may arrive before its `accepted`
+            # is queued (the worker is fast), and must not turn this loop into a busy one
+            if not req.accepted or req.finished:
+                continue
             d = req.buffer.deadline()
             if d is not None and (soonest is None or d < soonest):
                 soonest = d

@@ -81,7 +81,9 @@ class Submitter:
             self._sha = await self.redis.script_load(SUBMIT_LUA)
         for attempt in range(2):
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.evalsha(self._sha, len(lua_keys), *lua_keys, *lua_args)
+                # execute_command: redis-py's cluster pipeline refuses its evalsha() helper, but
+                # routes a raw EVALSHA by its keys like any other command
+                pipe.execute_command("EVALSHA", self._sha, len(lua_keys), *lua_keys, *lua_args)
                 pipe.hset(self.keys.meta(rid), mapping={META_KEY: key_id, META_GW: self.gw_id})
                 pipe.expire(self.keys.meta(rid), self.ttl)
                 pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)

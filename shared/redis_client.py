@@ -48,3 +48,12 @@ def connect(url: str, *, socket_timeout: float | None = 10.0, max_connections: i
         return aioredis.Redis(connection_pool=pool)
     return aioredis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=2.0,
                              health_check_interval=15, retry=retry, retry_on_error=RETRY_ON)
+
+
+def connect_sync(url: str):
+    """A blocking client for the same URL (tests, scripts and operator tools)."""
+    import redis
+    from redis.cluster import RedisCluster as SyncRedisCluster
+    if is_cluster_url(url):
+        return SyncRedisCluster.from_url(_plain_url(url))
+    return redis.Redis.from_url(url)

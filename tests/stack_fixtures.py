@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-import redis
-
 from shared.localredis import free_port
+from shared.redis_client import connect_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -79,7 +78,7 @@ def spawn(module: str, env: dict, log_dir: Path, name: str) -> Proc:
 def wait_for_worker(redis_url: str, prefix: str, proc: Proc, *, count: int = 1, timeout: float = 120.0) -> None:
     """A worker is ready once it is in the registry zset `p:{reg}:workers`."""
     from shared.streams import Keys
-    client = redis.Redis.from_url(redis_url)
+    client = connect_sync(redis_url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

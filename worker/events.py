@@ -71,6 +71,7 @@ class InFlight:
     failures: int = 0                    # consecutive refused writes
     retry_at: float = 0.0
     given_up: bool = False
+    ttl_set: bool = False                # this run has set the history stream's TTL
     dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
 
     @classmethod
@@ -132,12 +133,12 @@ class InFlight:
 
     @property
     def has_news(self) -> bool:
-        return bool(self.pending_ids or self.unsent or self.marker_att is not None)
+        return bool(self.pending_ids or self.unsent or (self.marker_att is not None and self.gw))
 
     @property
     def urgent(self) -> bool:
         """Written without waiting for the flush tick: the first token, a final, a marker."""
-        return (self.marker_att is not None or (self.written_seq == 0 and self.seq == 0 and bool(self.pending_ids))
+        return ((self.marker_att is not None and bool(self.gw)) or (self.written_seq == 0 and self.seq == 0 and bool(self.pending_ids))
                 or any(f.final for f in self.unsent))
 
     def confirm(self, frozen: list[Frozen]) -> None:

@@ -183,7 +183,7 @@ class Intake:
         *_, epoch, (gw, att), _, cancelled, last = await with_backoff(claim, "claim request")
         progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
         st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), gw=as_str(gw) if gw else "")
-        if att and int(att) > 0:
+        if att and int(att) > 0 and st.gw:
             st.marker_att = int(att)
         decision = failover.decide(entry, progress)
         if decision.action == "ack":     # finished before its worker died: ack only

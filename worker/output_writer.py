@@ -5,9 +5,10 @@ Why one module: "events, then ack, then lease, then owner" used to be written th
 only place that writes output, and the only place that acknowledges a request.
 
 One `commit(states)` = at most two round trips, whatever the number of requests:
-1. one pipeline: per request ONE `HISTORY_APPEND` script call on slot {r:rid} (its frozen
-   events in order, idempotent by id; EXPIRE when the stream is created and at the final; the
-   final also removes `owner` from meta), then per gateway ONE XADD to its inbox whose `d` is
+1. one pipeline: per request ONE history write on slot {r:rid}: a plain XADD for a single
+   token event (+ EXPIRE on this run's first write), else the `HISTORY_APPEND` script (its
+   frozen events in order, idempotent by id; EXPIRE at the final, which also removes `owner`
+   from meta); then per gateway ONE XADD to its inbox whose `d` is
    the list of all its events of this commit (attach markers first). History is ahead of live
    in the same round trip, so an event is never live without being (or about to be) in history;
    a retry re-sends the live copy too, and gateways de-duplicate by seq.
@@ -34,7 +35,7 @@ import random
 import time
 from typing import Callable, Iterable
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
 
 from shared.config import Settings
 from shared.errors import ErrorCode
@@ -51,10 +52,12 @@ INBOX_MAXLEN = 10000             # entries; each holds one flush's events for on
 INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
 
 # KEYS: out, meta. ARGV: maxlen, ttl_s, worker_id, final(0/1), then id1, payload1, id2, ...
-# Appends the events in order; an id already written (a retry whose reply was lost) is skipped,
-# any other error stops at once (later events must never land before an earlier one).
+# Used when a request has several events to write at once (tokens + final, or a backlog after
+# refused writes): appends them in order; an id already written (a retry whose reply was lost)
+# is skipped, any other error stops at once (a later event must never land before an earlier
+# one). One token event alone goes as a plain XADD (fewer Redis commands per token).
 HISTORY_APPEND = """
-local created = redis.call('EXISTS', KEYS[1]) == 0
+local created = redis.call('TTL', KEYS[1]) < 0
 local added = 0
 for i = 5, #ARGV, 2 do
   local r = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[i], 'd', ARGV[i + 1])
@@ -73,6 +76,12 @@ if ARGV[4] == '1' and redis.call('HGET', KEYS[2], 'owner') == ARGV[3] then
 end
 return added
 """
+
+
+def already_written(exc: Exception) -> bool:
+    """XADD with an id at or below the stream's last one: a retried write whose first reply
+    was lost (Redis restarting) already landed. That is success."""
+    return "equal or smaller" in str(exc)
 
 
 class DeadLetter:
@@ -149,10 +158,21 @@ class OutputWriter:
         now = time.monotonic()
         async with self.redis.pipeline(transaction=False) as pipe:
             for st, frozen in writing:
+                out = self.keys.out(st.rid)
+                if len(frozen) == 1 and not frozen[0].final:
+                    # the common case, one token event: a plain XADD (one command per event);
+                    # EXPIRE with the first write of this run (the stream may be new)
+                    pipe.xadd(out, {ENTRY_FIELD: frozen[0].payload}, id=frozen[0].entry_id,
+                              maxlen=s.output_maxlen, approximate=True)
+                    if not st.ttl_set:
+                        pipe.expire(out, s.output_ttl_s)
+                    continue
                 args = [s.output_maxlen, s.output_ttl_s, self.worker_id, int(any(f.final for f in frozen))]
                 for f in frozen:
                     args += [f.entry_id, f.payload]
-                pipe.evalsha(self._sha, 2, self.keys.out(st.rid), self.keys.meta(st.rid), *args)
+                # a raw EVALSHA: redis-py's cluster pipeline refuses its evalsha() helper
+                pipe.execute_command("EVALSHA", self._sha, 2, out, self.keys.meta(st.rid), *args)
+            slots = [2 if len(fz) == 1 and not fz[0].final and not st.ttl_set else 1 for st, fz in writing]
             for gw, payloads in live.items():
                 inbox = self.keys.inbox(gw)
                 pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)
@@ -160,14 +180,21 @@ class OutputWriter:
                     pipe.expire(inbox, s.output_ttl_s)
                     self._inbox_ttl_at[gw] = now
             results = await pipe.execute(raise_on_error=False)
-        history = results[:len(writing)]
-        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted without our script
+        history, i = [], 0
+        for (st, _frozen), n in zip(writing, slots):   # one result per request (its XADD or script)
+            replies = results[i:i + n]
+            i += n
+            bad = next((r for r in replies if isinstance(r, Exception) and not already_written(r)), None)
+            history.append(bad if bad is not None else True)
+            if bad is None and n == 2:
+                st.ttl_set = True
+        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted: load it again, retry
             self._sha = None
-            history = [r if not isinstance(r, NoScriptError) else ResponseError("NOSCRIPT") for r in history]
+            raise RedisConnectionError("the history script is gone from Redis (restarted); reloading it")
         for r in results:
             if isinstance(r, TRANSIENT):
                 raise r
-        for r in results[len(writing):]:
+        for r in results[i:]:
             if isinstance(r, Exception):  # a live copy lost: the history has it, resume reads it
                 log.warning("inbox write refused: %s", r)
         return history
@@ -224,7 +251,8 @@ class OutputWriter:
                 except asyncio.TimeoutError:
                     pass
             wake.clear()
-            route(take_outputs(), states)
+            if queued_outputs(states) < self.settings.output_buffer_max:
+                route(take_outputs(), states)   # else leave them: the engine pauses on a full buffer
             now = time.monotonic()
             if now >= next_tick:
                 batch = [st for st in states.values() if st.has_news or st.final_written]
@@ -253,6 +281,12 @@ class OutputWriter:
         await self.redis.xadd(self.keys.inbox(gw), {ENTRY_FIELD: pack_event_list([encode_attach_marker(rid, None, 0, att)])},
                               maxlen=INBOX_MAXLEN, approximate=True)
 
+
+
+def queued_outputs(states: dict[str, InFlight]) -> int:
+    """Tokens and events waiting to be written (bounded like the engine's output buffer, so a
+    long Redis outage pauses the engine instead of growing memory)."""
+    return sum(len(st.pending_ids) + len(st.unsent) for st in states.values())
 
 
 def route(outputs: list[StepOutput], states: dict[str, InFlight]) -> None:
