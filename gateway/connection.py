@@ -34,7 +34,8 @@ class Connection:
         self.closed = False
         self.socket = socket
         self.requests = RequestTable(hub, wake)
-        self.sender = Sender(self.socket, self.requests, wake, hub.settings, hub.metrics)
+        self.sender = Sender(self.socket, self.requests, wake, hub.settings, hub.metrics,
+                             on_running=self._sender_running)
         self.handler = MessageHandler(hub, self.socket, self.sender, self.requests, key_id=key_id, claim=claim)
 
     async def run(self) -> None:
@@ -49,9 +50,13 @@ class Connection:
         finally:
             self.closed = True
             await self.sender.stop()
+            hub.busy.discard(self)
             await self.requests.release_all()
             hub.connections.discard(self)
             hub.metrics.active_sockets.dec()
+
+    def _sender_running(self, running: bool) -> None:
+        (self.hub.busy.add if running else self.hub.busy.discard)(self)
 
     def shut_down(self) -> None:
         """Graceful drain: tell the client to go elsewhere and resume there."""

@@ -45,6 +45,9 @@ class Hub:
         self.origins = OriginPolicy(settings.allowed_origins)
         self.socket_caps = SocketCaps(per_key=settings.max_sockets_per_key, per_address=settings.max_sockets_per_address)
         self.connections: set[Connection] = set()
+        # sockets whose sender task runs (something to send, a request in flight): the only
+        # ones the slow-consumer and stall watchdogs need to look at; idle sockets cost nothing
+        self.busy: set[Connection] = set()
         self.heartbeats = HeartbeatWheel(settings.heartbeat_s)
         self.draining = False
         self.gw_id = uuid.uuid4().hex[:16]      # random per process: a restart is a new gateway
@@ -122,7 +125,7 @@ class Hub:
             await asyncio.sleep(interval)
             now = time.monotonic()
             stalled: list[str] = []
-            for conn in list(self.connections):
+            for conn in list(self.busy):
                 conn.check_slow(now)
                 if s.request_stall_s > 0:
                     stalled += conn.end_stalled(now, s.request_stall_s)

@@ -52,7 +52,7 @@ class WakeEvent(asyncio.Event):
 
 class Sender:
     def __init__(self, socket: FrameSocket, requests: RequestTable, wake: WakeEvent, settings: GatewaySettings,
-                 metrics: GatewayMetrics):
+                 metrics: GatewayMetrics, on_running=lambda running: None):
         self.socket = socket
         self.requests = requests
         self.s = settings
@@ -68,6 +68,7 @@ class Sender:
         self._stopped = False
         self._over = False          # the socket was closed, aborted or failed: nothing more goes out
         self._heartbeat_due = False
+        self._on_running = on_running   # told when the sender task starts and ends (hub.busy)
         wake.on_set = self._ensure_running
 
     # ------------------------------------------------------------------ task
@@ -78,6 +79,7 @@ class Sender:
             return
         self._task = asyncio.get_running_loop().create_task(self._send_loop())
         self._task.add_done_callback(self._ended)
+        self._on_running(True)
 
     def heartbeat(self) -> None:
         """Called by the heartbeat wheel: nothing was sent for HEARTBEAT_S."""
@@ -103,6 +105,8 @@ class Sender:
                 pass
 
     def _ended(self, task: asyncio.Task) -> None:
+        if task is self._task:      # (a newer task may already run: it stays busy)
+            self._on_running(False)
         if task.cancelled() or task.exception() is None or self._stopped:
             return
         exc = task.exception()
