@@ -69,7 +69,7 @@ class Probe:
 
     def _open(self):
         proto = "llm-stream.msgpack" if self.binary else "llm-stream.json"
-        self.ws = connect(self.url, subprotocols=[proto], max_size=None, open_timeout=10)
+        self.ws = connect(self.url, subprotocols=[proto], max_size=None, open_timeout=10).__enter__()
 
     def _decode(self, raw):
         return msgpack.unpackb(raw) if isinstance(raw, bytes) else json.loads(raw)
