@@ -253,7 +253,8 @@ async def test_unresumed_orphan_is_cancelled_after_the_grace(make_settings, redi
 
 
 async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
-    settings = make_settings(send_queue_max=64, slow_consumer_s=1.0, flush_interval_ms=0)
+    # a small SO_SNDBUF: the non-reader's sends block after ~100 KB, not after the kernel's 4 MiB
+    settings = make_settings(send_queue_max=64, slow_consumer_s=1.0, flush_interval_ms=0, socket_send_buffer=16384)
     async with gateway_in_process(settings) as gw:
         # a client that never reads: its TCP window fills, sends block, pongs pile up
         slow = await GatewayClient.connect(gw.ws_url, max_queue=1, ping_interval=None)
@@ -287,7 +288,7 @@ async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
 
 
 async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings, redis_client, worker_prefix):
-    settings = make_settings(heartbeat_s=0.3, ping_timeout_s=0.5)
+    settings = make_settings(heartbeat_s=0.3, ws_ping_s=0.3, ping_timeout_s=0.5)
     async with gateway_in_process(settings) as gw:
         idle = await GatewayClient.connect(gw.ws_url)
         msg = await idle.recv_any(timeout=3)
