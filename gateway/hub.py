@@ -134,7 +134,7 @@ class Hub:
                     self.metrics.stalled.inc(len(stalled))
                     log.warning("ended %d request(s) with no progress for %gs", len(stalled), s.request_stall_s)
                     for rid in stalled:       # a worker that wakes up must not go on for nobody
-                        await self.submitter.cancel(rid)
+                        await self.submitter.cancel_if_here(rid)
                 if now - last_beat >= s.gateway_heartbeat_s:
                     last_beat = now
                     await self.liveness.beat()

@@ -188,7 +188,9 @@ class RequestTable:
         alike) with a retryable `stalled` error; returns them so the caller cancels them."""
         stalled = []
         for req in self._by_id.values():
-            if req.final is None and not req.finished and req.accepted and now - req.progress_at > stall_s:
+            moved = req.sub is not None and req.sub.closed     # resumed on another socket of this replica
+            if (req.final is None and not req.finished and req.accepted and not moved
+                    and now - req.progress_at > stall_s):
                 req.final = {"k": "err", "seq": req.fed_seq, "code": ErrorCode.STALLED.value, "retryable": True,
                              "message": f"no output for {stall_s:g}s: the worker went silent; retry the request",
                              "local": True}
