@@ -20,6 +20,8 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, encode_server, error_message
 
 STATIC_DIR = Path(__file__).parent / "static"
+# The JS client SDK lives where its users look for it (clients/js); the page imports it from here.
+CLIENTS_JS_DIR = Path(__file__).resolve().parent.parent / "clients" / "js"
 
 
 async def stream(ws: WebSocket) -> None:
@@ -84,6 +86,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
             Route("/metrics", metrics),
             Route("/", index),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+            Mount("/clients/js", StaticFiles(directory=CLIENTS_JS_DIR, check_dir=False), name="clients-js"),
         ],
         lifespan=lifespan,
     )
