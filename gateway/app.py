@@ -13,9 +13,10 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from gateway.auth import bearer_token
-from gateway.connection import CLOSE_POLICY, CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, Connection
+from gateway.connection import Connection
 from gateway.hub import Hub
 from gateway.settings import GatewaySettings
+from gateway.socket_io import CLOSE_POLICY, CLOSE_SERVICE_RESTART, SHUTDOWN_REASON
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, encode_server, error_message
 
