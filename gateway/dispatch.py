@@ -11,20 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 
 from redis.exceptions import RedisError
 
 from gateway.hub import Hub
+from gateway.new_request import start_request
 from gateway.requests import RequestState, RequestTable
-from gateway.resume import resume
+from gateway.resume import reattach
 from gateway.sender import Sender
 from gateway.socket_io import CLOSE_POLICY, SHUTDOWN_REASON, FrameSocket
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import (
     Accepted, Auth, Cancel, Generate, Ping, Pong, Resume, decode_frame, error_message, parse_client_message,
 )
-from shared.streams import RequestEntry, SamplingParams
 
 log = logging.getLogger("gateway.connection")
 
@@ -98,7 +97,8 @@ class MessageHandler:
         elif isinstance(msg, Cancel):
             await self._cancel(msg)
         elif isinstance(msg, Resume):
-            await resume(self, msg)
+            self.check_new_id(msg.id)
+            self.accept(await reattach(self.hub, self.requests, self.key_id, msg))
         elif isinstance(msg, Ping):
             self.sender.queue(Pong(nonce=msg.nonce, ts=time.time()))
         elif isinstance(msg, Auth):
@@ -123,45 +123,8 @@ class MessageHandler:
         req.accepted = True
 
     async def _generate(self, msg: Generate) -> None:
-        s, hub, cid = self.s, self.hub, msg.id
-        self.check_new_id(cid)
-        if msg.prompt_chars() > s.max_prompt_chars:
-            raise ProtocolError(ErrorCode.PROMPT_TOO_LARGE,
-                                f"prompt of {msg.prompt_chars()} characters exceeds {s.max_prompt_chars}", cid)
-        max_tokens = msg.max_tokens if msg.max_tokens is not None else min(s.default_max_tokens, s.max_tokens_cap)
-        if max_tokens > s.max_tokens_cap:
-            raise ProtocolError(ErrorCode.MAX_TOKENS_TOO_LARGE,
-                                f"max_tokens {max_tokens} exceeds the server cap of {s.max_tokens_cap}", cid)
-        if len(msg.stop) > s.max_stop_strings:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"at most {s.max_stop_strings} stop strings", cid)
-        try:
-            await hub.limits.check_rate(self.key_id)
-            await hub.admission.admit()
-        except ProtocolError as exc:
-            exc.request_id = cid
-            raise
-        rid = uuid.uuid4().hex
-        try:
-            await hub.limits.acquire(self.key_id, rid)
-        except ProtocolError as exc:
-            exc.request_id = cid
-            raise
-        req = self.requests.open(cid, rid, self.key_id)
-        req.slot_held = True
-        entry = RequestEntry(
-            rid=rid,
-            params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop)),
-            prompt=msg.prompt,
-            messages=[m.model_dump() for m in msg.messages] if msg.messages is not None else None,
-            priority=msg.priority, created_ms=int(time.time() * 1000), key_id=self.key_id,
-        )
-        try:
-            req.epoch = await hub.submitter.submit(entry, cid)
-        except (RedisError, OSError):
-            await self.requests.drop(req)
-            raise
-        self.accept(req)
+        self.check_new_id(msg.id)
+        self.accept(await start_request(self.hub, self.requests, self.key_id, msg))
 
     async def _cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.id)
