@@ -14,6 +14,7 @@ from starlette.websockets import WebSocket
 
 from gateway.auth import bearer_token
 from gateway.connection import Connection
+from gateway import openai_api
 from gateway.hub import Hub
 from gateway.settings import GatewaySettings
 from gateway.socket_io import CLOSE_POLICY, CLOSE_SERVICE_RESTART, SHUTDOWN_REASON
@@ -82,6 +83,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
     app = Starlette(
         routes=[
             WebSocketRoute("/v1/stream", stream),
+            *openai_api.ROUTES,
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/metrics", metrics),

@@ -21,6 +21,8 @@ class GatewaySettings(Settings):
     cancel_fallback_s: float = Field(5.0, description="if the worker has not confirmed a cancel after this long, "
                                                       "the gateway finishes the request itself")
     sweep_interval_s: float = Field(0.5, description="how often orphaned requests past their grace are looked for")
+    served_model_name: str = Field("SmolLM2-135M-Instruct",
+                                   description="the model name of the OpenAI-compatible API (`model`, /v1/models)")
     ws_max_size: int = Field(0, description="WebSocket frames above this close the socket (1009); "
                                             "0 = 4 x max_frame_bytes so oversize frames up to that get a typed error")
 
