@@ -252,6 +252,9 @@ class OpenAIResponse:
     # the Sender's interface ------------------------------------------------
 
     async def send(self, msg: BaseModel) -> None:
+        # counts as a send even when nothing is written (a heartbeat of a non-streamed answer),
+        # so the Sender's heartbeat clock advances instead of firing again at once
+        self.last_send = time.monotonic()
         if isinstance(msg, Chunk):
             if self.stream:
                 await self._event(self._chunk(msg.text, None), msg.seq)

@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 
 from gateway.settings import GatewaySettings
 from shared.streams import ENTRY_FIELD, Keys, decode_event
-from tests.stack_fixtures import gateway_in_process, start_worker
+from tests.stack_fixtures import gateway_in_process, start_gateway, start_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
 from llm_stream_client import StreamClient  # noqa: E402
@@ -233,3 +233,54 @@ async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event
         async with httpx.AsyncClient(timeout=10) as http:
             resp = await http.get(gw_b.base + "/v1/streams/chatcmpl-nope", headers={"Last-Event-ID": "3"})
             assert resp.status_code == 404 and resp.json()["error"]["code"] == "resume_expired"
+
+
+async def test_draining_gateway_ends_the_sse_stream_resumably(redis_server, oai_stack):
+    """A gateway that drains (SIGTERM) tells an SSE client `shutting_down` in a last error event;
+    the client resumes on another replica with Last-Event-ID and gets the exact rest."""
+    async with gateway_in_process(settings(redis_server, oai_stack)) as gw_a, \
+            gateway_in_process(settings(redis_server, oai_stack)) as gw_b:
+        reference = (await oai(gw_b).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300,
+                                                        temperature=0)).choices[0].text
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
+                "priority": "batch"}                  # not resumable: a drain parks it all the same
+        lines: list[str] = []
+        drain = None
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", gw_a.base + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    lines.append(line)
+                    if drain is None and line == "" and len(sse_events(lines)) >= 3:
+                        drain = asyncio.create_task(gw_a.hub.drain())
+        await drain
+        events = sse_events(lines)
+        assert json.loads(events[-1][1])["error"]["code"] == "shutting_down", events[-1]
+        assert "[DONE]" not in [d for _, d in events]
+        texts = [(eid, json.loads(d)["choices"][0]["text"]) for eid, d in events if "choices" in json.loads(d)]
+        oai_id = json.loads(events[0][1])["id"]
+        async with httpx.AsyncClient(timeout=60) as http:
+            resp = await http.get(gw_b.base + f"/v1/streams/{oai_id}?last_event_id={texts[-1][0]}")
+            assert resp.status_code == 200, resp.text
+        rest = [json.loads(d)["choices"][0]["text"] for _, d in sse_events(resp.text.split("\n")) if d != "[DONE]"]
+        assert "".join(t for _, t in texts) + "".join(rest) == reference
+
+
+async def test_non_streamed_answer_longer_than_a_heartbeat_keeps_the_gateway_responsive(redis_server, oai_stack,
+                                                                                       tmp_path):
+    """Regression: the Sender's heartbeat on a non-streamed answer writes nothing; it must still
+    count as a send, or the heartbeat fires in a loop that never yields and freezes the gateway.
+    (A subprocess gateway, so a frozen one fails this test instead of freezing it.)"""
+    gw, base = start_gateway(redis_server.url, oai_stack, tmp_path, name="gw-hb", env={"HEARTBEAT_S": 0.2})
+    try:
+        client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        answer = asyncio.create_task(client.completions.create(model=MODEL, prompt="Once upon a time",
+                                                               max_tokens=400, temperature=0))
+        async with httpx.AsyncClient(timeout=5) as http:
+            for _ in range(5):
+                await asyncio.sleep(0.3)
+                assert (await http.get(base + "/healthz")).status_code == 200
+        reply = await asyncio.wait_for(answer, 120)
+        assert reply.usage.completion_tokens > 0
+    finally:
+        gw.stop()
