@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import httpx
@@ -16,11 +15,10 @@ import pytest
 
 from gateway.settings import GatewaySettings
 from shared.localredis import free_port
-from tests.stack_fixtures import Proc, gateway_in_process, start_gateway, start_worker, wait_http_ok
+from tests.stack_fixtures import Proc, gateway_in_process, prefix_with_worker, start_gateway, wait_http_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "clients" / "python"))
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -32,10 +30,9 @@ pytestmark = [pytest.mark.browser,
 
 @pytest.fixture(scope="module")
 def browser_stack(redis_server, tiny_model_dir, tmp_path_factory):
-    prefix = f"br{uuid.uuid4().hex[:8]}"
-    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"), name="w-browser")
-    yield prefix
-    proc.stop()
+    logs = tmp_path_factory.mktemp("logs")
+    with prefix_with_worker(redis_server.url, tiny_model_dir, logs, name="w-browser") as prefix:
+        yield prefix
 
 
 async def test_chat_page_streams_shows_ttft_and_stop_cancels(redis_server, browser_stack, tmp_path):

@@ -10,27 +10,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import signal
-import sys
-import uuid
-from pathlib import Path
 
 import pytest
 
 from gateway.settings import GatewaySettings
-from tests.stack_fixtures import gateway_in_process, start_gateway, start_worker
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
-from llm_stream_client import (GenerationFailed, RequestRefused, StreamClient, Unauthorized)  # noqa: E402
+from llm_stream_client import GenerationFailed, RequestRefused, StreamClient, Unauthorized
+from tests.stack_fixtures import gateway_in_process, prefix_with_worker, start_gateway
 
 GW_ENV = {"RESUME_GRACE_S": 10, "FLUSH_INTERVAL_MS": 30}
 
 
 @pytest.fixture(scope="module")
 def sdk_stack(redis_server, tiny_model_dir, tmp_path_factory):
-    prefix = f"sdk{uuid.uuid4().hex[:8]}"
-    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"), name="w-sdk")
-    yield prefix
-    proc.stop()
+    logs = tmp_path_factory.mktemp("logs")
+    with prefix_with_worker(redis_server.url, tiny_model_dir, logs, name="w-sdk") as prefix:
+        yield prefix
 
 
 def settings(redis_server, prefix, **kw) -> GatewaySettings:

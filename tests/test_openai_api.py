@@ -12,10 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,10 +21,8 @@ from openai import AsyncOpenAI
 
 from gateway.settings import GatewaySettings
 from shared.streams import ENTRY_FIELD, Keys, decode_event
-from tests.stack_fixtures import gateway_in_process, start_gateway, start_worker
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
-from llm_stream_client import StreamClient  # noqa: E402
+from llm_stream_client import StreamClient
+from tests.stack_fixtures import gateway_in_process, prefix_with_worker, start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -35,11 +30,10 @@ CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
 @pytest.fixture(scope="module")
 def oai_stack(redis_server, tiny_model_dir, tmp_path_factory):
-    prefix = f"oai{uuid.uuid4().hex[:8]}"
-    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"), name="w-oai",
-                        env={"WORKER_HEARTBEAT_S": 0.5})
-    yield prefix
-    proc.stop()
+    logs = tmp_path_factory.mktemp("logs")
+    env = {"WORKER_HEARTBEAT_S": 0.5}      # the worker's step counter, which the cancel test watches
+    with prefix_with_worker(redis_server.url, tiny_model_dir, logs, name="w-oai", env=env) as prefix:
+        yield prefix
 
 
 def settings(redis_server, prefix, **kw) -> GatewaySettings:

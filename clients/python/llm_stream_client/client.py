@@ -253,7 +253,8 @@ class StreamClient:
             await self._wanted.wait()
             url = self.urls[self._url_index % len(self.urls)]
             try:
-                ws = await websockets.connect(url, subprotocols=[MSGPACK_SUBPROTOCOL if self.binary else JSON_SUBPROTOCOL],
+                subprotocol = MSGPACK_SUBPROTOCOL if self.binary else JSON_SUBPROTOCOL
+                ws = await websockets.connect(url, subprotocols=[subprotocol],
                                               additional_headers=self._headers(), origin=self.origin,
                                               open_timeout=self.open_timeout_s, max_size=None)
             except InvalidStatus as exc:
