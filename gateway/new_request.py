@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from gateway.hub import Hub
 
 
-async def start_request(hub: Hub, requests: RequestTable, key_id: str, msg: Generate) -> RequestState:
+async def start_request(hub: Hub, requests: RequestTable, key_id: str, msg: Generate, *,
+                        rid: str | None = None) -> RequestState:
+    """`rid`: the server id to use (the HTTP API names its response after it); a new one by default."""
     s, cid = hub.settings, msg.id
     if msg.prompt_chars() > s.max_prompt_chars:
         raise ProtocolError(ErrorCode.PROMPT_TOO_LARGE,
@@ -41,7 +43,7 @@ async def start_request(hub: Hub, requests: RequestTable, key_id: str, msg: Gene
     except ProtocolError as exc:
         exc.request_id = cid
         raise
-    rid = uuid.uuid4().hex
+    rid = rid or uuid.uuid4().hex
     try:
         await hub.limits.acquire(key_id, rid)
     except ProtocolError as exc:

@@ -10,6 +10,8 @@ as an OpenAI chunk event (`stream: true`) or gathers them into one JSON body (`s
 
 * Every SSE event carries `id: <seq>`; reconnecting to `GET /v1/streams/{id}` (any replica,
   same API key) with `Last-Event-ID: <seq>` continues exactly after it, as a WebSocket `resume`.
+  The response `id` is `chatcmpl-<request_id>` / `cmpl-<request_id>`: the server request id a
+  resume must present is in it.
 * A client that disconnects cancels its request at once — unless it asked for `"resumable":
   true`, in which case the request waits `RESUME_GRACE_S` for a reconnect, as a dropped socket.
 * Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; `code` is the
@@ -462,7 +464,9 @@ async def _generate(request: Request, chat: bool) -> Response:
             raise APIError.from_code(ErrorCode.SHUTTING_DOWN, SHUTDOWN_REASON)
         body, fields = parse_body(await request.body(), chat)
         model = _served(hub, body.model)
-        cid = (CHAT_PREFIX if chat else TEXT_PREFIX) + uuid.uuid4().hex
+        # the response id names the server request id, which a resume must present
+        rid = uuid.uuid4().hex
+        cid = (CHAT_PREFIX if chat else TEXT_PREFIX) + rid
         try:
             msg = parse_client_message({"type": "generate", "id": cid, **fields})
         except ProtocolError as exc:
@@ -470,7 +474,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         wake = asyncio.Event()
         requests = RequestTable(hub, wake)
         try:
-            req = await start_request(hub, requests, key_id, msg)
+            req = await start_request(hub, requests, key_id, msg, rid=rid)
         except ProtocolError as exc:
             hub.metrics.rejections.labels(exc.code.value).inc()
             raise APIError.from_code(exc.code, exc.message) from None
@@ -504,7 +508,7 @@ async def resume_stream(request: Request) -> Response:
         raw_seq = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
         try:
             last_seq = int(raw_seq)
-            msg = Resume(id=oai_id, last_seq=last_seq)
+            msg = Resume(id=oai_id, last_seq=last_seq, request_id=oai_id.split("-", 1)[1])
         except (ValueError, ValidationError):
             raise APIError(400, f"Last-Event-ID {raw_seq!r} is not a seq (a non-negative integer)",
                            param="Last-Event-ID") from None
