@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -17,9 +19,11 @@ from gateway.connection import Connection
 from gateway import openai_api
 from gateway.hub import Hub
 from gateway.settings import GatewaySettings
-from gateway.socket_io import CLOSE_POLICY, CLOSE_SERVICE_RESTART, SHUTDOWN_REASON
+from gateway.socket_io import (
+    CLOSE_POLICY, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN_LATER, SHUTDOWN_REASON, ExposeTransport, FrameSocket,
+)
 from shared.errors import ErrorCode, ProtocolError
-from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, encode_server, error_message
+from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, error_message
 
 STATIC_DIR = Path(__file__).parent / "static"
 # The JS client SDK lives where its users look for it (clients/js); the page imports it from here.
@@ -32,21 +36,33 @@ async def stream(ws: WebSocket) -> None:
     subprotocol = next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
     binary = subprotocol == MSGPACK_SUBPROTOCOL
     await ws.accept(subprotocol=subprotocol)
+    socket = FrameSocket(ws, binary=binary, metrics=hub.metrics)
+    socket.limit_send_buffer(hub.settings.socket_send_buffer)
+    claim = None
     try:
         if hub.draining:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, SHUTDOWN_REASON)
         hub.origins.check(ws.headers.get("origin"), ws.headers.get("host"))
+        claim = hub.socket_caps.open(ws.client.host if ws.client else "")
         presented = bearer_token(ws.headers.get("authorization")) or ws.query_params.get("api_key")
         # no key in the handshake: a browser may still send {type: "auth"} as its first message
         key_id = hub.key_checker.identify(presented) if presented or not hub.key_checker.required else None
+        if key_id is not None:
+            claim.identify(key_id)
     except ProtocolError as exc:
+        if claim is not None:
+            claim.close()
         hub.metrics.rejections.labels(exc.code.value).inc()
-        payload = encode_server(error_message(exc), binary=binary)
-        await (ws.send_bytes(payload) if binary else ws.send_text(payload))
-        code = CLOSE_SERVICE_RESTART if exc.code == ErrorCode.SHUTTING_DOWN else CLOSE_POLICY
-        await ws.close(code=code, reason=exc.code.value)
+        # the typed error first: browsers cannot read close reasons reliably
+        await socket.close(REFUSAL_CLOSE_CODES.get(exc.code, CLOSE_POLICY), exc.code.value, last=error_message(exc))
         return
-    await Connection(hub, ws, binary=binary, key_id=key_id).run()
+    try:
+        await Connection(hub, socket, key_id=key_id, claim=claim).run()
+    finally:
+        claim.close()
+
+
+REFUSAL_CLOSE_CODES = {ErrorCode.SHUTTING_DOWN: CLOSE_SERVICE_RESTART, ErrorCode.TOO_MANY_SOCKETS: CLOSE_TRY_AGAIN_LATER}
 
 
 async def healthz(request: Request) -> Response:
@@ -61,7 +77,19 @@ async def readyz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     hub: Hub = request.app.state.hub
+    if not admin_allowed(request, hub.settings.admin_token.get_secret_value()):
+        return Response("admin token required (Authorization: Bearer ADMIN_TOKEN)\n", status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
     return Response(hub.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def admin_allowed(request: Request, token: str) -> bool:
+    """ADMIN_TOKEN guards the admin endpoints (/metrics: its labels name API keys and error
+    rates); empty = open, e.g. when only the cluster network can reach the port."""
+    if not token:
+        return True
+    presented = bearer_token(request.headers.get("authorization")) or ""
+    return hmac.compare_digest(presented.encode(), token.encode())
 
 
 async def index(request: Request) -> Response:
@@ -92,6 +120,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
             Mount("/clients/js", StaticFiles(directory=CLIENTS_JS_DIR, check_dir=False), name="clients-js"),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(ExposeTransport)],
     )
     app.state.hub = hub
     return app

@@ -17,25 +17,26 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect
 
 from gateway.dispatch import MessageHandler
 from gateway.hub import Hub
 from gateway.requests import RequestTable
 from gateway.sender import Sender
+from gateway.socket_caps import SocketClaim
 from gateway.socket_io import CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, FrameSocket
 from shared.errors import ErrorCode
 from shared.protocol import Error
 
 
 class Connection:
-    def __init__(self, hub: Hub, ws: WebSocket, *, binary: bool, key_id: str | None):
+    def __init__(self, hub: Hub, socket: FrameSocket, *, key_id: str | None, claim: SocketClaim):
         self.hub = hub
         wake = asyncio.Event()   # set whenever the sender has something to do
-        self.socket = FrameSocket(ws, binary=binary, metrics=hub.metrics)
+        self.socket = socket
         self.requests = RequestTable(hub, wake)
         self.sender = Sender(self.socket, self.requests, wake, hub.settings, hub.metrics)
-        self.handler = MessageHandler(hub, self.socket, self.sender, self.requests, key_id=key_id)
+        self.handler = MessageHandler(hub, self.socket, self.sender, self.requests, key_id=key_id, claim=claim)
 
     async def run(self) -> None:
         hub = self.hub
@@ -59,6 +60,12 @@ class Connection:
 
     def check_slow(self, now: float) -> None:
         self.sender.check_slow(now)
+
+    def end_stalled(self, now: float, stall_s: float) -> list[str]:
+        """Request ids ended here for lack of progress (the caller cancels them in Redis)."""
+        if not len(self.requests):
+            return []
+        return [req.rid for req in self.requests.end_stalled(now, stall_s)]
 
     def held_slots(self) -> list[tuple[str, str]]:
         return self.requests.held_slots()

@@ -17,8 +17,9 @@ from redis.exceptions import RedisError
 from gateway.hub import Hub
 from gateway.new_request import start_request
 from gateway.requests import RequestState, RequestTable
-from gateway.resume import reattach
+from gateway.resume import ResumeBudget, resume
 from gateway.sender import Sender
+from gateway.socket_caps import SocketClaim
 from gateway.socket_io import CLOSE_POLICY, SHUTDOWN_REASON, FrameSocket
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import (
@@ -30,13 +31,15 @@ log = logging.getLogger("gateway.connection")
 
 class MessageHandler:
     def __init__(self, hub: Hub, socket: FrameSocket, sender: Sender, requests: RequestTable, *,
-                 key_id: str | None):
+                 key_id: str | None, claim: SocketClaim):
         self.hub = hub
         self.s = hub.settings
         self.socket = socket
         self.sender = sender
         self.requests = requests
         self.key_id = key_id                 # None until authenticated
+        self.claim = claim                   # this socket in the per-key / per-address socket counts
+        self.resume_budget = ResumeBudget(self.s.resume_rate_per_min)
 
     # ------------------------------------------------------------------ reading
 
@@ -63,7 +66,7 @@ class MessageHandler:
                     if not isinstance(msg, Auth):
                         raise ProtocolError(ErrorCode.UNAUTHORIZED, "authenticate first: send {\"type\": \"auth\", "
                                                                     "\"api_key\": ...}")
-                    self.key_id = self.hub.key_checker.identify(msg.api_key)
+                    self._identify(msg.api_key)
                     continue
                 await self._handle(msg)
             except ProtocolError as exc:
@@ -75,8 +78,19 @@ class MessageHandler:
                 log.warning("backend error: %s", exc)
                 rid = getattr(msg, "id", None)
                 self.reject(ProtocolError(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable", rid))
+            except Exception:   # a bug handling one message must not take the socket's other requests down
+                log.exception("handling %s failed", type(msg).__name__)
+                self.reject(ProtocolError(ErrorCode.INTERNAL, "the gateway failed to handle this message",
+                                          getattr(msg, "id", None)))
             if self.sender.closing is not None:
                 return
+            if not self.sender.drained.is_set():
+                # replies are piling up: read no further until the sender catches up, so a client
+                # that pipelines fast is slowed by TCP instead of cut off, and one that does not
+                # read at all ends up with a blocked send (the slow-consumer watchdog's case)
+                await self.sender.drained.wait()
+                if self.sender.closing is not None:
+                    return
 
     async def _refuse(self, exc: ProtocolError) -> None:
         """Unauthenticated: say why, then close (policy violation)."""
@@ -97,8 +111,7 @@ class MessageHandler:
         elif isinstance(msg, Cancel):
             await self._cancel(msg)
         elif isinstance(msg, Resume):
-            self.check_new_id(msg.id)
-            self.accept(await reattach(self.hub, self.requests, self.key_id, msg))
+            await resume(self, msg)
         elif isinstance(msg, Ping):
             self.sender.queue(Pong(nonce=msg.nonce, ts=time.time()))
         elif isinstance(msg, Auth):
@@ -106,7 +119,12 @@ class MessageHandler:
             # its key to a server where keys are optional
             if len(self.requests):
                 raise ProtocolError(ErrorCode.INVALID_REQUEST, "authenticate before starting requests")
-            self.key_id = self.hub.key_checker.identify(msg.api_key)
+            self._identify(msg.api_key)
+
+    def _identify(self, api_key: str) -> None:
+        key_id = self.hub.key_checker.identify(api_key)
+        self.claim.identify(key_id)
+        self.key_id = key_id
 
     def check_new_id(self, client_id: str) -> None:
         if self.hub.draining:
@@ -133,5 +151,10 @@ class MessageHandler:
         if req.cancel_requested or req.final is not None:
             return
         req.cancel_requested = True
-        await self.hub.submitter.cancel(req.rid)
-        self.requests.start_cancel_fallback(req)
+        owner = await self.hub.submitter.cancel(req.rid)
+        if owner is None:
+            # still in the queue: no worker holds it, and the flag (set first) keeps any from
+            # starting it, so it ends now instead of when a batch slot frees up
+            self.requests.end_cancelled(req)
+        else:
+            self.requests.start_cancel_fallback(req)

@@ -24,6 +24,16 @@ class GatewayMetrics:
         self.tokens = Counter("gateway_tokens_sent", "output tokens sent to clients", registry=r)
         self.frames = Counter("gateway_frames_sent", "all frames sent", registry=r)
         self.slow_consumers = Counter("gateway_slow_consumer_closes", "sockets closed for not reading", registry=r)
+        self.sender_failures = Counter("gateway_sender_failures", "sockets closed because sending failed (a bug: "
+                                                                  "see the log)", registry=r)
+        self.control_queue_bytes = Gauge("gateway_control_queue_bytes", "control frames (accepted, error, pong) "
+                                         "encoded and waiting to be sent, all sockets", registry=r)
+        self.stalled = Counter("gateway_stalled_requests", "requests ended with `stalled`: no output for "
+                                                           "REQUEST_STALL_S", registry=r)
+        self.stale_events = Counter("gateway_stale_events_dropped", "live events dropped because a newer worker "
+                                                                    "run (epoch) of their request exists", registry=r)
+        self.taken_over = Counter("gateway_orphans_taken_over", "requests of dead gateways this replica parked "
+                                                                "for resume", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,5 +1,5 @@
-"""Starting a request, whatever the transport: server caps, per-key rate and concurrency,
-admission, then submit. The WebSocket handler (dispatch.py) and the OpenAI HTTP API
+"""Starting a request, whatever the transport: server caps, admission, then one submit round
+trip that also takes the per-key rate and concurrency. The WebSocket handler (dispatch.py) and the OpenAI HTTP API
 (openai_api.py) both call `start_request`, so a limit or a cap is enforced in one place.
 
 Raises `ProtocolError` (with the client's id) for a refusal; nothing is left behind then. On
@@ -9,8 +9,8 @@ holds a per-key concurrency slot until its `done`.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 async def start_request(hub: Hub, requests: RequestTable, key_id: str, msg: Generate, *,
                         rid: str | None = None) -> RequestState:
-    """`rid`: the server id to use (the HTTP API names its response after it); a new one by default."""
+    """`rid`: the server id to use (the HTTP API names its response after it); a new 128-bit one by default."""
     s, cid = hub.settings, msg.id
     if msg.prompt_chars() > s.max_prompt_chars:
         raise ProtocolError(ErrorCode.PROMPT_TOO_LARGE,
@@ -38,30 +38,28 @@ async def start_request(hub: Hub, requests: RequestTable, key_id: str, msg: Gene
     if len(msg.stop) > s.max_stop_strings:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, f"at most {s.max_stop_strings} stop strings", cid)
     try:
-        await hub.limits.check_rate(key_id)
-        await hub.admission.admit()
+        await hub.admission.admit()          # cached: no round trip on most requests
     except ProtocolError as exc:
         exc.request_id = cid
         raise
-    rid = rid or uuid.uuid4().hex
-    try:
-        await hub.limits.acquire(key_id, rid)
-    except ProtocolError as exc:
-        exc.request_id = cid
-        raise
-    req = requests.open(cid, rid, key_id)
-    req.slot_held = True
+    rid = rid or secrets.token_hex(16)       # 128 random bits: the secret a `resume` must present
+    req = requests.open(cid, rid, key_id)    # subscribed before it is queued
     entry = RequestEntry(
         rid=rid,
         params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
                               top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop)),
         prompt=msg.prompt,
         messages=[m.model_dump() for m in msg.messages] if msg.messages is not None else None,
-        priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id,
+        priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=hub.gw_id,
     )
     try:
-        req.epoch = await hub.submitter.submit(entry, cid)
-    except (RedisError, OSError):
-        await requests.drop(req)
+        await hub.submitter.submit(entry)    # rate limit + concurrency lease + queue: one round trip
+    except ProtocolError as exc:
+        requests.drop(req)
+        exc.request_id = cid
         raise
+    except (RedisError, OSError):
+        requests.drop(req)
+        raise
+    req.slot_held = True
     return req

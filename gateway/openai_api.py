@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -253,6 +253,20 @@ class OpenAIResponse:
 
     # the Sender's interface ------------------------------------------------
 
+    def encode(self, msg: BaseModel) -> str:
+        """A control frame as the text it becomes here (the Sender queues it and counts its bytes)."""
+        if isinstance(msg, Accepted):
+            return self._event_text(self._chunk(None, None, role=True), 0) if self.stream and self.role_chunk else ""
+        if isinstance(msg, Error):           # e.g. the closing explanation of a drain
+            self.error = msg
+            return f"data: {json.dumps(APIError.from_code(msg.code, msg.message).body())}\n\n" if self.stream else ""
+        return ""                            # pong and the like have no HTTP counterpart
+
+    async def send_payload(self, payload: str) -> None:
+        self.last_send = time.monotonic()
+        if payload:
+            await self._write(payload)
+
     async def send(self, msg: BaseModel) -> None:
         # counts as a send even when nothing is written (a heartbeat of a non-streamed answer),
         # so the Sender's heartbeat clock advances instead of firing again at once
@@ -267,17 +281,19 @@ class OpenAIResponse:
             if self.stream:
                 await self._finish_stream(msg)
             self.ended.set()
-        elif isinstance(msg, Accepted):
-            if self.stream and self.role_chunk:
-                await self._event(self._chunk(None, None, role=True), 0)
-        elif isinstance(msg, Error):           # the closing explanation of a drain
-            self.error = msg
+        elif isinstance(msg, Heartbeat):
             if self.stream:
-                await self._write(f"data: {json.dumps(APIError.from_code(msg.code, msg.message).body())}\n\n")
-        elif isinstance(msg, Heartbeat) and self.stream:
-            await self._write(": keep-alive\n\n")   # proxies see traffic; SSE clients ignore comments
+                await self._write(": keep-alive\n\n")   # proxies see traffic; SSE clients ignore comments
+        else:
+            await self.send_payload(self.encode(msg))
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, code: int, reason: str, *, last: BaseModel | None = None) -> None:
+        if last is not None:
+            await self.send(last)
+        self.ended.set()
+
+    def abort(self) -> None:
+        self.broken = True
         self.ended.set()
 
     # building events -------------------------------------------------------
@@ -328,8 +344,12 @@ class OpenAIResponse:
 
     # writing ----------------------------------------------------------------
 
+    @staticmethod
+    def _event_text(data: dict, seq: int) -> str:
+        return f"id: {seq}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
     async def _event(self, data: dict, seq: int) -> None:
-        await self._write(f"id: {seq}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n")
+        await self._write(self._event_text(data, seq))
 
     async def _write(self, text: str) -> None:
         if self.broken:
@@ -367,6 +387,9 @@ class _HttpConnection:
     def check_slow(self, now: float) -> None:
         self.sender.check_slow(now)
 
+    def end_stalled(self, now: float, stall_s: float) -> list[str]:
+        return [req.rid for req in self.requests.end_stalled(now, stall_s)]
+
     def held_slots(self) -> list[tuple[str, str]]:
         return self.requests.held_slots()
 
@@ -396,7 +419,7 @@ class RunRequest(Response):
                     (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no"), (b"x-request-id", req.rid.encode())]})
             sender.queue(Accepted(id=req.client_id, request_id=req.rid))
-            req.accepted = True
+            req.accepted = True      # (a resumed request's history is buffered already, flushed from here)
             sender.start()
             await asyncio.wait([disconnect, ended], return_when=asyncio.FIRST_COMPLETED)
             gone = disconnect.done() or out.broken
@@ -420,7 +443,7 @@ class RunRequest(Response):
         req = self.req
         req.cancel_requested = True
         try:
-            await self.hub.submitter.cancel(req.rid)
+            await self.hub.submitter.cancel(req.rid)    # flag + owner's control stream: a queued one never starts
         except (RedisError, OSError) as exc:
             log.warning("could not cancel %s after a client disconnect: %s", req.rid, exc)
 
@@ -465,7 +488,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         body, fields = parse_body(await request.body(), chat)
         model = _served(hub, body.model)
         # the response id names the server request id, which a resume must present
-        rid = uuid.uuid4().hex
+        rid = secrets.token_hex(16)
         cid = (CHAT_PREFIX if chat else TEXT_PREFIX) + rid
         try:
             msg = parse_client_message({"type": "generate", "id": cid, **fields})
@@ -515,7 +538,7 @@ async def resume_stream(request: Request) -> Response:
         wake = asyncio.Event()
         requests = RequestTable(hub, wake)
         try:
-            req = await reattach(hub, requests, key_id, msg)
+            req = await reattach(hub, requests, key_id, msg, accept=lambda r: None)   # accepted by RunRequest
         except ProtocolError as exc:
             raise APIError.from_code(exc.code, exc.message) from None
         except (RedisError, OSError):

@@ -1,39 +1,122 @@
-"""`resume`: re-attach a request started on an earlier connection (any replica) to this one.
+"""`resume`: re-attach a request started on an earlier connection (any replica) to this one,
+exactly. A WebSocket `resume` and an SSE reconnect with `Last-Event-ID` (openai_api.py) both
+come here (`reattach`).
 
-Authorization and the attach both live here, so what a resume may see is decided in one place.
-The request is looked up by (API key, client id); an optional `request_id` must match. Only
-after the per-key slot is taken is the attach epoch bumped, which spares a parked orphan from
-the sweeper; output after `last_seq` is then replayed from the request's retained stream.
-A WebSocket `resume` and an SSE reconnect with `Last-Event-ID` (openai_api.py) both come here.
+Authorization and the attach both live here, so what a resume may see is decided in one place:
+the request is named by its server-issued `request_id` (128-bit random, required), and the API
+key that resumes must be the one that started it (meta.key; an anonymous request may be resumed
+by any anonymous socket that presents its request_id, since anonymous clients get a new identity
+per connection); anything else is `resume_expired`, with no hint whether the id exists. Each
+socket may try at most RESUME_RATE_PER_MIN resumes a minute.
+
+Joining history and live without a gap (docs/transport.md):
+1. subscribe rid in this replica's inbox first, holding live events back (`attaching`);
+2. one MULTI on slot {r:rid}: meta.gw = this gateway, meta.att += 1, read meta.owner; from now
+   on every worker that writes rid routes its live events here;
+3. send `attach` to the owner, which flushes, then writes the marker "everything <= S is in
+   the history" into our inbox (a worker that takes rid later sends a marker too, as att > 0);
+4. on the marker: read the history after `last_seq`, feed it, then the held live events,
+   deduplicated by seq (gateway.requests). With no owner the history is read at once (a
+   finished request completes from it); with no marker within `ATTACH_RETRY_S` the attach is
+   re-sent to the then-current owner and the history read again (the owner may have changed).
+The per-key concurrency slot stays with the request: a resume takes no new one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
 
+from redis.exceptions import RedisError
+
+from gateway.auth import may_resume
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Resume
+from shared.streams import META_KEY
 
 if TYPE_CHECKING:
+    from gateway.dispatch import MessageHandler
     from gateway.hub import Hub
     from gateway.requests import RequestState, RequestTable
 
+log = logging.getLogger("gateway.resume")
 
-async def reattach(hub: Hub, requests: RequestTable, key_id: str, msg: Resume) -> RequestState:
-    """Open `msg.id` in `requests` again, replaying its output after `msg.last_seq`.
+ATTACH_RETRY_S = 1.0
 
-    Transport-neutral: the WebSocket `resume` and the OpenAI API's SSE resume both use it."""
+
+class ResumeBudget:
+    """At most `per_min` resume attempts per socket per minute (a fixed window): request ids are
+    unguessable, and this keeps anyone from even trying many of them over one socket."""
+
+    __slots__ = ("per_min", "window", "used")
+
+    def __init__(self, per_min: int):
+        self.per_min = per_min
+        self.window = 0
+        self.used = 0
+
+    def take(self, cid: str) -> None:
+        if self.per_min <= 0:
+            return
+        window = int(time.monotonic() // 60)
+        if window != self.window:
+            self.window, self.used = window, 0
+        self.used += 1
+        if self.used > self.per_min:
+            raise ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.per_min} resume attempts per minute "
+                                                        "on one socket", cid)
+
+
+async def resume(handler: MessageHandler, msg: Resume) -> None:
+    handler.resume_budget.take(msg.id)
+    handler.check_new_id(msg.id)
+    await reattach(handler.hub, handler.requests, handler.key_id, msg, handler.accept)
+
+
+async def reattach(hub: Hub, requests: RequestTable, key_id: str, msg: Resume,
+                   accept: Callable[[RequestState], None]) -> RequestState:
+    """Open `msg.id` in `requests` again and join its history after `msg.last_seq` with live
+    output; `accept` tells the client (transport-specific) before the history is fed."""
     cid = msg.id
-    rid = await hub.submitter.lookup_alias(key_id, cid)
-    if rid is None or (msg.request_id is not None and msg.request_id != rid):
+    rid = msg.request_id      # required by the schema: the 128-bit secret from `accepted`
+    meta = await hub.submitter.lookup(rid)
+    if meta is None or not may_resume(meta.get(META_KEY), key_id):
+        # the same answer whether the id is unknown or another key's: no hint that it exists
         raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
-    try:
-        await hub.limits.acquire(key_id, rid)
-    except ProtocolError as exc:
-        exc.request_id = cid
-        raise
-    epoch = await hub.submitter.attach(rid)     # only now: a parked orphan is spared
     req = requests.open(cid, rid, key_id, skip_seq=msg.last_seq, resumed=True)
+    try:
+        req.att, owner, _ = await hub.submitter.attach(rid)
+    except (RedisError, OSError):
+        requests.drop(req)
+        raise
     req.slot_held = True
-    req.epoch = epoch
+    accept(req)
+    if owner is None:
+        requests.catch_up(req)       # nobody runs it now: the history is all there is so far
+    _schedule_retry(requests, req)
     return req
+
+
+def _schedule_retry(requests: RequestTable, req: RequestState) -> None:
+    req.attach_timer = asyncio.get_running_loop().call_later(
+        ATTACH_RETRY_S, lambda: asyncio.get_running_loop().create_task(_retry_attach(requests, req)))
+
+
+async def _retry_attach(requests: RequestTable, req: RequestState) -> None:
+    """No marker yet: the owner may have changed or died. Ask the current owner again and read
+    the history meanwhile (live events stay held until a marker comes)."""
+    req.attach_timer = None
+    if not req.attaching or req.finished:
+        return
+    submitter = requests.hub.submitter
+    try:
+        owner = await submitter.owner(req.rid)
+        if owner:
+            await submitter.send_attach(req.rid, owner, req.att)
+    except (RedisError, OSError) as exc:
+        log.warning("re-attach of %s failed: %s", req.rid, exc)
+    requests.catch_up(req)
+    if req.attaching and not req.finished:
+        _schedule_retry(requests, req)

@@ -4,8 +4,13 @@ Each pass sends queued control frames, then every request buffer that is due (th
 is flusher.py's), then `done` once a finished request's buffer is empty; an idle socket gets a
 `heartbeat`. Chunks are never queued as frames: while the client is slow, tokens merge into
 the buffer, so memory is bounded by output text (max_tokens x requests), not by frame count.
-Control frames are bounded by `send_queue_max`; a client that lets them pile up, or that
-blocks one send for `slow_consumer_s`, is closed with SLOW_CONSUMER.
+Control frames are encoded when queued and bounded by count (`send_queue_max`) and bytes
+(`send_queue_max_bytes`); a client that lets them pile up, or that blocks one send for
+`slow_consumer_s`, gets a `slow_consumer` error and close 1013 if it takes them within a
+moment, and is aborted (TCP dropped) otherwise.
+
+A sender that fails (a bug, an unencodable frame) never leaves the socket open and silent: the
+client gets an `internal` error and close 1011 (or an abort), then resumes elsewhere.
 
 Closing (`close_after_flush`): everything buffered is handed over first, so a resume has least
 to replay, and the closing explanation (e.g. shutting_down) is the last frame before the close.
@@ -17,17 +22,17 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any
 
+from pydantic import BaseModel
 from starlette.websockets import WebSocketDisconnect
 
 from gateway.frames import chunk_frame
 from gateway.metrics import GatewayMetrics
 from gateway.requests import RequestState, RequestTable
 from gateway.settings import GatewaySettings
-from gateway.socket_io import CLOSE_TRY_AGAIN_LATER, FrameSocket
+from gateway.socket_io import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, FrameSocket, Payload
 from shared.errors import ErrorCode
-from shared.protocol import Heartbeat
+from shared.protocol import Error, Heartbeat
 
 log = logging.getLogger("gateway.connection")
 
@@ -40,7 +45,11 @@ class Sender:
         self.s = settings
         self.metrics = metrics
         self._wake = wake
-        self._control: deque[Any] = deque()
+        self._control: deque[Payload] = deque()
+        self._control_bytes = 0
+        # backpressure on the reader: set while the control queue is below half its bounds
+        self.drained = asyncio.Event()
+        self.drained.set()
         self._task: asyncio.Task | None = None
         self.closing: tuple[int, str] | None = None
         self._stopped = False
@@ -59,6 +68,7 @@ class Sender:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._discard_control()
 
     async def wait(self, timeout: float) -> None:
         """Let the sender finish (e.g. deliver a refusal and close), at most `timeout` seconds."""
@@ -69,24 +79,59 @@ class Sender:
                 pass
 
     def _ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and not self._stopped:
-            exc = task.exception()
-            if not isinstance(exc, (WebSocketDisconnect, OSError, RuntimeError)):
-                log.error("sender failed: %r", exc)
+        if task.cancelled() or task.exception() is None or self._stopped:
+            return
+        exc = task.exception()
+        if isinstance(exc, (WebSocketDisconnect, OSError)) or self.closing is not None:
+            return      # the client went away or the socket is being closed: the reader sees the disconnect
+        log.error("sender failed: %r", exc, exc_info=exc)
+        self.metrics.sender_failures.inc()
+        self.closing = (CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value)
+        self._discard_control()
+        failure = Error(code=ErrorCode.INTERNAL, message="the gateway failed to send on this socket: "
+                                                         "reconnect and resume", retryable=True)
+        asyncio.get_running_loop().create_task(self.socket.close(CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value,
+                                                                 last=failure))
 
     # ------------------------------------------------------------------ control frames
 
-    def queue(self, msg: Any) -> None:
+    def queue(self, msg: BaseModel) -> None:
         """Queue a control frame; a client that lets them pile up is closed as a slow consumer."""
-        if len(self._control) >= self.s.send_queue_max:
-            self.abort_slow(f"{len(self._control)} control frames unread")
+        payload = self.socket.encode(msg)
+        if len(self._control) >= self.s.send_queue_max or \
+                self._control_bytes + len(payload) > self.s.send_queue_max_bytes:
+            self.abort_slow(f"{len(self._control)} control frames ({self._control_bytes} bytes) unread")
             return
-        self._control.append(msg)
+        self._push(payload)
         self._wake.set()
 
-    def push_final(self, msg: Any) -> None:
+    def push_final(self, msg: BaseModel) -> None:
         """Queue a frame that explains a close (not subject to the bound: the socket is closing anyway)."""
-        self._control.append(msg)
+        self._push(self.socket.encode(msg))
+
+    def _push(self, payload: Payload) -> None:
+        self._control.append(payload)
+        self._control_bytes += len(payload)
+        self.metrics.control_queue_bytes.inc(len(payload))
+        if self._backlogged():
+            self.drained.clear()
+
+    def _pop(self) -> Payload:
+        payload = self._control.popleft()
+        self._control_bytes -= len(payload)
+        self.metrics.control_queue_bytes.dec(len(payload))
+        if not self.drained.is_set() and not self._backlogged():
+            self.drained.set()
+        return payload
+
+    def _backlogged(self) -> bool:
+        return 2 * len(self._control) >= self.s.send_queue_max or 2 * self._control_bytes >= self.s.send_queue_max_bytes
+
+    def _discard_control(self) -> None:
+        self.metrics.control_queue_bytes.dec(self._control_bytes)
+        self._control.clear()
+        self._control_bytes = 0
+        self.drained.set()      # nothing left to wait for (also wakes a reader held back on a dead socket)
 
     # ------------------------------------------------------------------ closing
 
@@ -109,7 +154,10 @@ class Sender:
         self.closing = (CLOSE_TRY_AGAIN_LATER, ErrorCode.SLOW_CONSUMER.value)
         if self._task:
             self._task.cancel()
-        asyncio.get_running_loop().create_task(self.socket.close(CLOSE_TRY_AGAIN_LATER, ErrorCode.SLOW_CONSUMER.value))
+        self._discard_control()
+        notice = Error(code=ErrorCode.SLOW_CONSUMER, message=f"the client did not read: {why}", retryable=True)
+        asyncio.get_running_loop().create_task(
+            self.socket.close(CLOSE_TRY_AGAIN_LATER, ErrorCode.SLOW_CONSUMER.value, last=notice))
 
     # ------------------------------------------------------------------ the loop
 
@@ -123,12 +171,14 @@ class Sender:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
+            else:
+                await asyncio.sleep(0)      # never starve the loop, whatever is due
             self._wake.clear()
             now = time.monotonic()
             closing = self.closing is not None
             if not closing:
                 while self._control:
-                    await socket.send(self._control.popleft())
+                    await socket.send_payload(self._pop())
             for req in self.requests.values():
                 if req.accepted and not req.finished:
                     # closing: hand over everything buffered, so a resume has least to replay
@@ -136,7 +186,7 @@ class Sender:
             if closing:
                 # the closing explanation (e.g. shutting_down) is the last frame before the close
                 while self._control:
-                    await socket.send(self._control.popleft())
+                    await socket.send_payload(self._pop())
                 code, reason = self.closing
                 await socket.close(code, reason)
                 return
@@ -147,6 +197,10 @@ class Sender:
         now = time.monotonic()
         soonest = self.socket.last_send + hb if hb > 0 else now + 3600
         for req in self.requests.values():
+            # only what a pass can send: a request's first event may arrive before its `accepted`
+            # is queued (the worker is fast), and must not turn this loop into a busy one
+            if not req.accepted or req.finished:
+                continue
             d = req.buffer.deadline()
             if d is not None and d < soonest:
                 soonest = d

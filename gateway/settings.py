@@ -23,6 +23,25 @@ class GatewaySettings(Settings):
     sweep_interval_s: float = Field(0.5, description="how often orphaned requests past their grace are looked for")
     served_model_name: str = Field("SmolLM2-135M-Instruct",
                                    description="the model name of the OpenAI-compatible API (`model`, /v1/models)")
+    send_queue_max_bytes: int = Field(64 * 1024, description="bytes of control frames (accepted, error, pong) "
+                                                             "queued per socket before the client is too slow")
+    max_sockets_per_key: int = Field(0, description="open sockets one API key may hold on this replica "
+                                                    "(0 = no cap; anonymous sockets are capped per address)")
+    max_sockets_per_address: int = Field(1000, description="open sockets one client address may hold on this "
+                                                           "replica (0 = no cap); behind a proxy set "
+                                                           "FORWARDED_ALLOW_IPS so the real address is seen")
+    request_stall_s: float = Field(120.0, description="a request with no output event for this long (queued, "
+                                                      "prefilling or decoding) ends with `stalled` (retryable); "
+                                                      "0 = never")
+    resume_rate_per_min: int = Field(30, description="resume attempts one socket may make per minute")
+    gateway_heartbeat_s: float = Field(1.0, description="how often a gateway refreshes its liveness entry")
+    gateway_ttl_s: float = Field(5.0, description="a gateway silent this long is dead: a survivor parks its "
+                                                  "requests for resume (cancelled after resume_grace_s)")
+    inbox_block_ms: int = Field(2000, description="XREAD BLOCK time of the inbox reader (bounds nothing but "
+                                                  "idle round trips)")
+    socket_send_buffer: int = Field(0, description="SO_SNDBUF of each client socket in bytes (0 = the kernel's "
+                                                   "auto-tuning, up to tcp_wmem max); bounds kernel memory per "
+                                                   "non-reading client and how soon it is detected")
     ws_max_size: int = Field(0, description="WebSocket frames above this close the socket (1009); "
                                             "0 = 4 x max_frame_bytes so oversize frames up to that get a typed error")
 

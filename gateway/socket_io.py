@@ -1,13 +1,20 @@
-"""One client WebSocket as frames: encode a server message, send it, time the send, close.
+"""One client WebSocket as frames: encode a server message, send it, time the send, close, abort.
 
 The encoding (JSON text or msgpack binary) is fixed at the handshake; everything above this
 module deals in `shared/protocol.py` models, never in bytes. `send_started` is set while a send
 is in progress, so a watchdog can tell a client that stopped reading (see sender.py).
+
+ASGI has no "abort": a close frame queued behind megabytes a client never reads is never
+delivered, and uvicorn's close waits for the write buffer to drain. `ExposeTransport` (an ASGI
+middleware) records the server's transport in the scope, so `abort()` can drop the TCP
+connection and free its buffers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket as _socket
 import time
 
 from pydantic import BaseModel
@@ -16,10 +23,31 @@ from starlette.websockets import WebSocket
 from gateway.metrics import GatewayMetrics
 from shared.protocol import encode_server
 
+log = logging.getLogger("gateway.connection")
+
 CLOSE_POLICY = 1008
+CLOSE_INTERNAL_ERROR = 1011
 CLOSE_SERVICE_RESTART = 1012
 CLOSE_TRY_AGAIN_LATER = 1013
 SHUTDOWN_REASON = "server restarting: reconnect and resume"
+CLOSE_TIMEOUT_S = 2.0
+TRANSPORT_SCOPE_KEY = "llm_stream.transport"
+
+Payload = str | bytes
+
+
+class ExposeTransport:
+    """ASGI middleware: put the server's asyncio transport (uvicorn's protocol has one) in the scope."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if transport is not None:
+                scope[TRANSPORT_SCOPE_KEY] = transport
+        await self.app(scope, receive, send)
 
 
 class FrameSocket:
@@ -33,8 +61,13 @@ class FrameSocket:
     async def receive(self) -> dict:
         return await self.ws.receive()
 
+    def encode(self, msg: BaseModel) -> Payload:
+        return encode_server(msg, binary=self.binary)
+
     async def send(self, msg: BaseModel) -> None:
-        payload = encode_server(msg, binary=self.binary)
+        await self.send_payload(self.encode(msg))
+
+    async def send_payload(self, payload: Payload) -> None:
         self.send_started = time.monotonic()
         try:
             if self.binary:
@@ -46,13 +79,30 @@ class FrameSocket:
         self.last_send = time.monotonic()
         self.metrics.frames.inc()
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, code: int, reason: str, *, last: BaseModel | None = None) -> None:
+        """Send `last` (the typed explanation), then a close frame; abort if the client does not take them."""
         try:
-            await asyncio.wait_for(self.ws.close(code=code, reason=reason), 2.0)
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                if last is not None:
+                    await self.send(last)
+                await self.ws.close(code=code, reason=reason)
         except Exception:
-            # a client that does not read cannot receive a close frame either: drop the TCP
-            # connection so its buffered bytes are freed (ASGI has no abort, so reach the
-            # server's transport when the server exposes it, as uvicorn does)
-            transport = getattr(getattr(self.ws._send, "__self__", None), "transport", None)
-            if transport is not None:
-                transport.abort()
+            # a client that does not read cannot receive a close frame either
+            self.abort()
+
+    def limit_send_buffer(self, nbytes: int) -> None:
+        """Cap the kernel's send buffer of this socket (SO_SNDBUF; Linux doubles the value). The
+        kernel otherwise grows it up to net.ipv4.tcp_wmem's max (4 MiB) for a client that does
+        not read, before a send ever blocks; token streams need far less, even over long links."""
+        transport = self.ws.scope.get(TRANSPORT_SCOPE_KEY)
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None and nbytes > 0:
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF, nbytes)
+
+    def abort(self) -> None:
+        """Drop the TCP connection at once (buffered output is discarded)."""
+        transport = self.ws.scope.get(TRANSPORT_SCOPE_KEY)
+        if transport is None:
+            log.warning("cannot abort a socket: the server exposes no transport")
+            return
+        transport.abort()   # also when a graceful close is already waiting for the buffer to drain

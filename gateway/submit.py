@@ -1,99 +1,231 @@
-"""Everything the gateway writes to Redis about a request: submit, cancel, attach, orphan.
+"""Everything the gateway writes to Redis about a request: submit, cancel, attach, leases, orphans.
 
-* submit: XADD the `RequestEntry` to `{p}:requests` (approximate MAXLEN, so trimming is cheap),
-  plus the alias `{p}:alias:{key}:{id}` -> rid so a `resume` can find it from any replica.
-* cancel: the worker that owns a request reads its own `{p}:ctl:{worker}` stream between decode
-  steps, so a cancel is routed there (owner read from `{p}:owner:{rid}`). The flag
-  `{p}:cancelled:{rid}` is always set too: it covers a request not yet claimed, or one being
-  re-claimed by another worker after a failover.
-* attach epoch `{p}:gw:attach:{rid}`: incremented by every socket that (re)attaches to a request.
-  A dropped socket parks its requests in the zset `{p}:gw:orphans` as "rid|epoch" with a
-  deadline; whichever replica's sweeper pops it first cancels it only if nobody re-attached
-  meanwhile (epoch unchanged). This makes the resume grace work across replicas and survive
-  the replica that parked it exiting.
+* submit, ONE round trip before `accepted`: a Lua script on slot {q} checks the per-key rate
+  limit (`p:{q}:rate:<key>:<minute>`), takes the per-key concurrency lease
+  (`p:{q}:conc:<key>`, zset rid -> expiry ms) and XADDs the request entry, or returns a typed
+  refusal; pipelined with it (other slots, independent of the result): the request's meta hash
+  (`key`, `gw`) and this gateway's `reqs` set. A refused submit removes those again (rare path).
+* the concurrency lease is held until the REQUEST ends: the worker's final commit releases it
+  (ZREM), not the socket's close; this gateway refreshes the leases of requests it serves, and
+  releases one itself only when it ends a request that no worker will (cancel fallback).
+* cancel: the worker owning a request (meta.owner) reads its own control stream between steps,
+  so a cancel is routed there; the flag `p:{r:<rid>}:cancel` covers a request not yet taken.
+* attach (resume): meta.gw = this gateway and HINCRBY meta.att in one MULTI on slot {r:rid},
+  then an `attach` control to the owner, which answers with an `att` marker in our inbox.
+* orphans: a socket that drops parks its unfinished requests as "rid|att" in `p:{reg}:orphans`
+  with a deadline; whichever replica's sweeper pops one cancels it unless meta.att moved (a
+  resume happened meanwhile), so the grace works across replicas and survives the parker.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
-import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
 
-from shared.protocol import PROTOCOL_VERSION
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry
+from shared.errors import ErrorCode, ProtocolError
+from shared.streams import (ENTRY_FIELD, META_ATT, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str,
+                            decode_event, encode_attach, encode_cancel)
+
+log = logging.getLogger("gateway.submit")
 
 CTL_MAXLEN = 10000
 
-
-def encode_control(kind: str, rid: str) -> bytes:
-    """A control entry on `{p}:ctl:{worker}` (field `d`): {"v": 1, "k": "cancel", "rid": rid}."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, "k": kind, "rid": rid}, use_bin_type=True)
+# KEYS: rate, conc, requests. ARGV: rate_per_min, concurrency, lease_ms, rid, entry, maxlen.
+# Returns "ok", "rate_limited" or "concurrency_limit".
+SUBMIT_LUA = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local rate, conc, lease = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if conc > 0 and redis.call('ZSCORE', KEYS[2], ARGV[4]) then return 'ok' end  -- a retried submit
+if rate > 0 then
+  local n = redis.call('INCR', KEYS[1])
+  if n == 1 then redis.call('EXPIRE', KEYS[1], 120) end
+  if n > rate then return 'rate_limited' end
+end
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+  if redis.call('ZCARD', KEYS[2]) >= conc then return 'concurrency_limit' end
+  redis.call('ZADD', KEYS[2], now_ms + lease, ARGV[4])
+  redis.call('PEXPIRE', KEYS[2], lease * 2)
+end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'd', ARGV[5])
+return 'ok'
+"""
 
 
 class Submitter:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, request_maxlen: int, output_ttl_s: int):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, gw_id: str, *, request_maxlen: int, output_ttl_s: int,
+                 concurrency: int, rate_per_min: int, lease_s: float):
         self.redis = redis
         self.keys = keys
+        self.gw_id = gw_id
         self.request_maxlen = request_maxlen
         self.ttl = output_ttl_s
+        self.concurrency = concurrency
+        self.rate_per_min = rate_per_min
+        self.lease_ms = int(lease_s * 1000)
+        self._sha: str | None = None
 
-    def attach_key(self, rid: str) -> str:
-        return f"{self.keys.prefix}:gw:attach:{rid}"
+    # ------------------------------------------------------------------ submit
 
-    @property
-    def orphans_key(self) -> str:
-        return f"{self.keys.prefix}:gw:orphans"
+    async def submit(self, entry: RequestEntry) -> None:
+        """Rate limit + concurrency lease + XADD in one round trip; ProtocolError when refused."""
+        key_id, rid = entry.key_id, entry.rid
+        minute = int(time.time() // 60)
+        lua_keys = [self.keys.rate(key_id, minute), self.keys.conc(key_id), self.keys.requests]
+        lua_args = [self.rate_per_min, self.concurrency, self.lease_ms, rid, entry.encode(), self.request_maxlen]
+        if self._sha is None:
+            self._sha = await self.redis.script_load(SUBMIT_LUA)
+        for attempt in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                # execute_command: redis-py's cluster pipeline refuses its evalsha() helper, but
+                # routes a raw EVALSHA by its keys like any other command
+                pipe.execute_command("EVALSHA", self._sha, len(lua_keys), *lua_keys, *lua_args)
+                pipe.hset(self.keys.meta(rid), mapping={META_KEY: key_id, META_GW: self.gw_id})
+                pipe.expire(self.keys.meta(rid), self.ttl)
+                pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)
+                results = await pipe.execute(raise_on_error=False)
+            verdict = results[0]
+            if isinstance(verdict, NoScriptError) and attempt == 0:   # Redis restarted without it
+                self._sha = await self.redis.script_load(SUBMIT_LUA)
+                continue
+            break
+        for r in results[1:]:
+            if isinstance(r, Exception):
+                verdict = r if not isinstance(verdict, Exception) else verdict
+        if isinstance(verdict, Exception):
+            await self._forget(rid)
+            raise verdict
+        verdict = as_str(verdict)
+        if verdict == "ok":
+            return
+        await self._forget(rid)
+        if verdict == "rate_limited":
+            retry = 60 - int(time.time()) % 60
+            raise ProtocolError(ErrorCode.RATE_LIMITED,
+                                f"rate limit of {self.rate_per_min} requests/min reached; retry in {retry}s")
+        raise ProtocolError(ErrorCode.CONCURRENCY_LIMIT, f"{self.concurrency} requests of this key are already running")
 
-    async def submit(self, entry: RequestEntry, client_id: str) -> int:
-        """Queue the request; returns its attach epoch (1)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.alias(entry.key_id, client_id), entry.rid, ex=self.ttl)
-            pipe.set(self.attach_key(entry.rid), 1, ex=self.ttl)
-            pipe.xadd(self.keys.requests, {ENTRY_FIELD: entry.encode()},
-                      maxlen=self.request_maxlen, approximate=True)
+    async def _forget(self, rid: str) -> None:
+        """A refused (or failed) submit leaves no meta and no membership behind."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.keys.meta(rid))
+                pipe.srem(self.keys.gw_reqs(self.gw_id), rid)
+                await pipe.execute()
+        except (RedisError, OSError):
+            pass  # meta expires by itself; a stale reqs member is skipped at takeover
+
+    # ------------------------------------------------------------------ leases
+
+    async def release(self, key_id: str, rid: str) -> None:
+        """End a request's lease where no worker will (a request finished by the gateway itself)."""
+        if self.concurrency > 0:
+            await self.redis.zrem(self.keys.conc(key_id), rid)
+
+    async def refresh_leases(self, held: dict[str, list[str]]) -> None:
+        """Extend the leases of unfinished requests served by this replica (XX: never re-add one
+        the worker already released)."""
+        if self.concurrency <= 0 or not held:
+            return
+        deadline = int(time.time() * 1000) + self.lease_ms
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key_id, rids in held.items():
+                if rids:
+                    pipe.zadd(self.keys.conc(key_id), {rid: deadline for rid in rids}, xx=True)
+                    pipe.pexpire(self.keys.conc(key_id), self.lease_ms * 2)
             await pipe.execute()
-        return 1
 
-    async def lookup_alias(self, key_id: str, client_id: str) -> str | None:
-        rid = await self.redis.get(self.keys.alias(key_id, client_id))
-        return rid.decode() if rid is not None else None
+    # ------------------------------------------------------------------ requests this replica serves
 
-    async def attach(self, rid: str) -> int:
-        """A socket takes over a request (resume): bumps the epoch so parked orphans are spared."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.incr(self.attach_key(rid))
-            pipe.expire(self.attach_key(rid), self.ttl)
-            epoch, _ = await pipe.execute()
-        return int(epoch)
+    async def done_here(self, rids: list[str]) -> None:
+        """Requests that ended (or moved away) on this replica leave its `reqs` set."""
+        if rids:
+            await self.redis.srem(self.keys.gw_reqs(self.gw_id), *rids)
+
+    # ------------------------------------------------------------------ cancel
 
     async def cancel(self, rid: str) -> str | None:
-        """Route a cancel to the owning worker (if any) and set the flag. Returns the owner."""
-        owner = await self.redis.get(self.keys.owner(rid))
+        """Set the cancel flag and route a cancel to the owning worker (if any). Returns the owner."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.cancelled(rid), 1, ex=self.ttl)
-            if owner is not None:
-                pipe.xadd(self.keys.ctl(owner.decode()), {ENTRY_FIELD: encode_control("cancel", rid)},
-                          maxlen=CTL_MAXLEN, approximate=True)
+            pipe.set(self.keys.cancel(rid), 1, ex=self.ttl)
+            pipe.hget(self.keys.meta(rid), META_OWNER)
+            _, owner = await pipe.execute()
+        if owner is None:
+            return None
+        owner = as_str(owner)
+        await self.redis.xadd(self.keys.ctl(owner), {ENTRY_FIELD: encode_cancel(rid)},
+                              maxlen=CTL_MAXLEN, approximate=True)
+        return owner
+
+    # ------------------------------------------------------------------ resume
+
+    async def lookup(self, rid: str) -> dict[str, str] | None:
+        """The request's meta (key, gw, owner, epoch, att), or None when nothing is retained."""
+        raw = await self.redis.hgetall(self.keys.meta(rid))
+        if not raw:
+            return None
+        return {as_str(k): as_str(v) for k, v in raw.items()}
+
+    async def attach(self, rid: str) -> tuple[int, str | None, str | None]:
+        """Route rid's live events here from now on: meta.gw = this gateway, meta.att += 1, in one
+        MULTI that also reads the owner and the previous gateway. Returns (att, owner, old gw)."""
+        meta = self.keys.meta(rid)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(meta, META_GW)
+            pipe.hset(meta, META_GW, self.gw_id)
+            pipe.hincrby(meta, META_ATT, 1)
+            pipe.hget(meta, META_OWNER)
+            pipe.expire(meta, self.ttl)
+            old_gw, _, att, owner, _ = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)
+            old_gw = as_str(old_gw) if old_gw is not None else None
+            if old_gw and old_gw != self.gw_id:
+                pipe.srem(self.keys.gw_reqs(old_gw), rid)
             await pipe.execute()
-        return owner.decode() if owner is not None else None
+        owner = as_str(owner) if owner is not None else None
+        if owner:
+            await self.send_attach(rid, owner, int(att))
+        return int(att), owner, old_gw
+
+    async def send_attach(self, rid: str, owner: str, att: int) -> None:
+        await self.redis.xadd(self.keys.ctl(owner),
+                              {ENTRY_FIELD: encode_attach(rid, self.gw_id, att)},
+                              maxlen=CTL_MAXLEN, approximate=True)
+
+    async def owner(self, rid: str) -> str | None:
+        owner = await self.redis.hget(self.keys.meta(rid), META_OWNER)
+        return as_str(owner) if owner is not None else None
+
+    async def read_history(self, rid: str, after_seq: int) -> list[dict]:
+        """Every event of rid's history after token `after_seq` (token events and the final)."""
+        # token events are `{seq}-0`, the final `{seq}-1`: from `{after}-1` on is exactly "after"
+        entries = await self.redis.xrange(self.keys.out(rid), min=f"{after_seq}-1", max="+")
+        return [decode_event(fields[ENTRY_FIELD]) for _, fields in entries]
+
+    # ------------------------------------------------------------------ orphans
 
     async def park_orphans(self, items: list[tuple[str, int]], grace_s: float) -> None:
+        """Requests nobody listens to: cancelled after `grace_s` unless resumed (att moves)."""
         if not items:
             return
         deadline = time.time() + grace_s
-        await self.redis.zadd(self.orphans_key, {f"{rid}|{epoch}": deadline for rid, epoch in items})
+        await self.redis.zadd(self.keys.orphans, {f"{rid}|{att}": deadline for rid, att in items})
 
     async def sweep_orphans(self, limit: int = 200) -> list[str]:
         """Cancel parked requests whose grace is over and that nobody re-attached. Returns them."""
-        due = await self.redis.zrangebyscore(self.orphans_key, "-inf", time.time(), start=0, num=limit)
+        due = await self.redis.zrangebyscore(self.keys.orphans, "-inf", time.time(), start=0, num=limit)
         cancelled = []
         for member in due:
-            if not await self.redis.zrem(self.orphans_key, member):
+            if not await self.redis.zrem(self.keys.orphans, member):
                 continue  # another replica took it
-            rid, _, epoch = member.decode().rpartition("|")
-            current = await self.redis.get(self.attach_key(rid))
-            if current is not None and int(current) == int(epoch):
+            rid, _, att = as_str(member).rpartition("|")
+            current = await self.redis.hget(self.keys.meta(rid), META_ATT)
+            if int(current or 0) == int(att):
                 await self.cancel(rid)
                 cancelled.append(rid)
         return cancelled

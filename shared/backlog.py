@@ -2,8 +2,8 @@
 capacity, and the depth of the request queue. Lives in shared/ so a gateway (which has no torch)
 never imports worker code.
 
-A worker is live while its heartbeat in the zset `{p}:workers` is younger than `worker_ttl_s`;
-its hash `{p}:worker:{id}` (same TTL) holds capacity and load, written by `worker.registry`.
+A worker is live while its heartbeat in the zset `p:{reg}:workers` is younger than `worker_ttl_s`;
+its hash `p:{w:<id>}:info` (same TTL) holds capacity and load, written by `worker.registry`.
 """
 
 from __future__ import annotations

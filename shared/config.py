@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch default")
     shutdown_grace_s: float = Field(30.0, description="on SIGTERM a worker finishes running requests this long, then hands the rest back")
     max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")
+    worker_flush_ms: int = Field(15, description="a request's new tokens are written to Redis at most this often "
+                                                 "(its first token and its final event at once); 0 = every engine step")
     output_buffer_max: int = Field(4096, description="step outputs a worker buffers while Redis is unreachable before pausing the engine")
 
     admin_token: SecretStr = Field(SecretStr(""), description="bearer token for admin endpoints")

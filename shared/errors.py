@@ -24,12 +24,15 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     CONCURRENCY_LIMIT = "concurrency_limit"
     OVERLOADED = "overloaded"                  # queue too deep or no worker alive
+    TOO_MANY_SOCKETS = "too_many_sockets"      # the key or the address holds too many sockets on this replica
     # while serving
     CONTEXT_TOO_LONG = "context_too_long"      # prompt + max_tokens can never fit the KV cache
     WORKER_LOST = "worker_lost"                # the worker died and the request could not be replayed
     BACKEND_UNAVAILABLE = "backend_unavailable"  # Redis unreachable
+    OUTPUT_WRITE_FAILED = "output_write_failed"  # Redis kept refusing the worker's output (e.g. out of memory)
     RESUME_EXPIRED = "resume_expired"          # output no longer retained
     SLOW_CONSUMER = "slow_consumer"
+    STALLED = "stalled"                        # no output for REQUEST_STALL_S: the worker went silent
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
@@ -37,8 +40,9 @@ class ErrorCode(StrEnum):
 # Codes after which sending the same request again may succeed.
 RETRYABLE = frozenset({
     ErrorCode.RATE_LIMITED, ErrorCode.CONCURRENCY_LIMIT, ErrorCode.OVERLOADED,
-    ErrorCode.WORKER_LOST, ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.SHUTTING_DOWN,
+    ErrorCode.WORKER_LOST, ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.OUTPUT_WRITE_FAILED, ErrorCode.SHUTTING_DOWN,
     ErrorCode.SLOW_CONSUMER, ErrorCode.INTERNAL,
+    ErrorCode.STALLED, ErrorCode.TOO_MANY_SOCKETS,
 })
 
 

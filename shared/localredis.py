@@ -7,6 +7,7 @@ nothing acknowledged is lost) and never touch a Redis someone else uses.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,7 +24,8 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, port: int | None = None, *, appendonly: bool = False, data_dir: str | None = None):
+    def __init__(self, port: int | None = None, *, appendonly: bool = False, data_dir: str | None = None,
+                 extra_args: list[str] | None = None):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found: install Debian's redis-server package (scripts/setup.sh does)")
@@ -31,6 +33,7 @@ class LocalRedis:
         self.port = port or free_port()
         self.appendonly = appendonly
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="llm-redis-")
+        self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -41,7 +44,7 @@ class LocalRedis:
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-            "--dir", self.data_dir, "--daemonize", "no", "--loglevel", "warning",
+            "--dir", self.data_dir, "--daemonize", "no", "--loglevel", "warning", *self.extra_args,
         ]
         log = open(Path(self.data_dir) / "redis.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -75,6 +78,64 @@ class LocalRedis:
         self.start()
 
     def __enter__(self) -> "LocalRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def free_cluster_port() -> int:
+    """A port whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 29999)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class LocalRedisCluster:
+    """`nodes` masters (no replicas) with `redis-server --cluster-enabled yes`, joined by
+    `redis-cli --cluster create`: a real Redis Cluster for tests and benches."""
+
+    def __init__(self, nodes: int = 3):
+        if shutil.which("redis-cli") is None:
+            raise RuntimeError("redis-cli not found: install Debian's redis-tools package")
+        self.nodes: list[LocalRedis] = []
+        for _ in range(nodes):
+            data_dir = tempfile.mkdtemp(prefix="llm-redis-cluster-")
+            self.nodes.append(LocalRedis(free_cluster_port(), data_dir=data_dir, extra_args=[
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]))
+
+    @property
+    def url(self) -> str:
+        """The service's REDIS_URL for this cluster (any node is a seed)."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self, timeout: float = 30.0) -> "LocalRedisCluster":
+        for node in self.nodes:
+            node.start()
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [subprocess.run(["redis-cli", "-p", str(n.port), "cluster", "info"], capture_output=True,
+                                     text=True).stdout for n in self.nodes]
+            if all("cluster_state:ok" in s and "cluster_slots_assigned:16384" in s for s in states):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "LocalRedisCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -25,6 +25,10 @@ MSGPACK_SUBPROTOCOL = "llm-stream.msgpack"
 SUBPROTOCOLS = (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL)
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+REQUEST_ID_PATTERN = r"^[0-9a-f]{32}$"     # the server's request id: 128 random bits, hex
+MAX_NONCE_CHARS = 64
+MAX_NONCE_INT = 2**53                       # what every JSON parser represents exactly
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 Priority = Literal["interactive", "batch"]
@@ -33,6 +37,12 @@ Priority = Literal["interactive", "batch"]
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     v: Literal[1] = 1
+
+
+class _ClientMsg(_Msg):
+    # strict: a string is not a number and bytes are not text ("10" for max_tokens, a binary
+    # msgpack prompt), so a client bug surfaces as invalid_request instead of passing silently
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def _check_id(value: str) -> str:
@@ -44,12 +54,12 @@ def _check_id(value: str) -> str:
 # ---------------------------------------------------------------- client -> gateway
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class Generate(_Msg):
+class Generate(_ClientMsg):
     type: Literal["generate"] = "generate"
     id: str
     messages: list[ChatMessage] | None = None
@@ -85,27 +95,31 @@ class Generate(_Msg):
         return sum(len(m.content) for m in self.messages or ())
 
 
-class Cancel(_Msg):
+class Cancel(_ClientMsg):
     type: Literal["cancel"] = "cancel"
     id: str
     _id = field_validator("id")(_check_id)
 
 
-class Resume(_Msg):
-    """Re-attach to a request after a reconnect: everything after `last_seq` is sent again."""
+class Resume(_ClientMsg):
+    """Re-attach to a request after a reconnect: everything after `last_seq` is sent again.
+
+    `request_id` (from `accepted`) is required: it is the unguessable secret that proves the
+    client saw the request start, so nobody can resume another client's stream by its `id`."""
     type: Literal["resume"] = "resume"
     id: str
     last_seq: int = Field(0, ge=0)
-    request_id: str | None = Field(None, max_length=128, description="the server id from `accepted`, if known")
+    request_id: str = Field(pattern=REQUEST_ID_PATTERN, description="the server id from `accepted`")
     _id = field_validator("id")(_check_id)
 
 
-class Ping(_Msg):
+class Ping(_ClientMsg):
     type: Literal["ping"] = "ping"
-    nonce: str | int | None = None
+    # bounded: the pong echoes it, so a large nonce would let a client amplify its own memory use
+    nonce: Annotated[str, Field(max_length=MAX_NONCE_CHARS)] | Annotated[int, Field(ge=-MAX_NONCE_INT, le=MAX_NONCE_INT)] | None = None
 
 
-class Auth(_Msg):
+class Auth(_ClientMsg):
     """First message for clients that cannot set an Authorization header (browsers)."""
     type: Literal["auth"] = "auth"
     api_key: str = Field(min_length=1, max_length=256)
@@ -190,17 +204,45 @@ def decode_frame(frame: str | bytes, *, max_bytes: int) -> dict:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame could not be decoded: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "frame must be an object")
+    if isinstance(frame, str) and "\\u" in frame:
+        _check_unicode(obj)
     return obj
+
+
+def _valid_id(obj: dict) -> str | None:
+    value = obj.get("id")
+    return value if isinstance(value, str) and ID_PATTERN.match(value) else None
+
+
+def _check_unicode(frame_obj: dict) -> None:
+    """JSON's \\uD800-style escapes can smuggle lone surrogates, which no UTF-8 encoder (Redis
+    entry, reply frame) accepts: refuse the frame here, before anything is started or echoed.
+    (msgpack strings are decoded as strict UTF-8, which already refuses them.)"""
+    stack: list = [frame_obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, "a string is not valid Unicode (lone surrogate)",
+                                    _valid_id(frame_obj))
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def parse_client_message(obj: dict) -> Generate | Cancel | Resume | Ping | Auth:
     """Validate a decoded frame. Raises ProtocolError with the most specific code it can."""
-    rid = obj.get("id") if isinstance(obj.get("id"), str) else None
+    # echo the id only when it is a valid one: an error must not carry (amplify) arbitrary input
+    rid = _valid_id(obj)
     if "v" in obj and obj["v"] != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {obj['v']!r} is not supported; use 1", rid)
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
+                            f"protocol version {_short(obj['v'])} is not supported; use 1", rid)
     kind = obj.get("type")
     if kind not in CLIENT_TYPES:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; expected one of {', '.join(CLIENT_TYPES)}", rid)
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE,
+                            f"unknown message type {_short(kind)}; expected one of {', '.join(CLIENT_TYPES)}", rid)
     if kind in ("generate", "cancel", "resume") and "id" not in obj:
         raise ProtocolError(ErrorCode.MISSING_ID, f"'{kind}' needs an 'id'")
     try:
@@ -209,11 +251,16 @@ def parse_client_message(obj: dict) -> Generate | Cancel | Resume | Ping | Auth:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, _describe(exc), rid) from None
 
 
+def _short(value, limit: int = 64) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"][1:]) or "message"
-        parts.append(f"{loc}: {err['msg']}")
+        loc = ".".join(str(p)[:40] for p in err["loc"][1:]) or "message"
+        parts.append(f"{loc}: {err['msg'][:200]}")
     return "; ".join(parts)
 
 

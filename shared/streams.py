@@ -1,25 +1,29 @@
-"""The gateway <-> worker hop: Redis key layout and the msgpack entries on each stream.
+"""The gateway <-> worker hop (transport v2): Redis key layout and the msgpack entries on it.
 
-Every key starts with `Settings.stream_prefix` (default `llm`), written `{p}` below.
+Every key starts with `Settings.stream_prefix` (`p`, default `llm`) and carries a hash tag, so
+each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 
-| key                    | type   | written by | read by  | what                                                       |
-|------------------------|--------|------------|----------|------------------------------------------------------------|
-| {p}:requests           | stream | gateway    | workers  | one entry per generate request; consumer group `workers`   |
-| {p}:out:{rid}          | stream | worker     | gateways | token events, then one `done`; MAXLEN ~ output_maxlen, TTL |
-| {p}:ctl:{worker_id}    | stream | gateway    | worker   | control (cancel) for the worker that owns a request        |
-| {p}:owner:{rid}        | string | worker     | gateway  | worker id holding the request (TTL), to route cancels      |
-| {p}:cancelled:{rid}    | string | gateway    | worker   | cancel flag for requests not yet claimed (TTL)             |
-| {p}:alias:{key}:{id}   | string | gateway    | gateway  | client id -> request id, so `resume` works on any replica  |
-| {p}:workers            | zset   | worker     | all      | worker id -> last heartbeat (ms)                           |
-| {p}:worker:{worker_id} | hash   | worker     | all      | capacity and load of one worker (TTL = worker_ttl_s)       |
-| {p}:dead               | stream | worker     | operator | dead-letter: entries that could not be decoded or validated|
+| key                      | type   | slot    | what                                                        |
+|--------------------------|--------|---------|-------------------------------------------------------------|
+| p:{q}:requests           | stream | {q}     | request entries; consumer group `workers`                   |
+| p:{q}:dead               | stream | {q}     | dead letters (XADD + XACK in one MULTI)                     |
+| p:{q}:conc:<key_id>      | zset   | {q}     | per-API-key concurrency leases, rid -> expiry ms            |
+| p:{q}:rate:<key_id>:<m>  | string | {q}     | per-key rate-limit counter of minute m                      |
+| p:{r:<rid>}:out          | stream | {r:rid} | the request's HISTORY: ids `{seq}-0` tokens, `{seq}-1` final |
+| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, epoch, att (see META_*); TTL output_ttl_s   |
+| p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
+| p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
+| p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies)            |
+| p:{w:<worker>}:ctl       | stream | {w:id}  | control for one worker: cancel / attach                     |
+| p:{w:<worker>}:info      | hash   | {w:id}  | a worker's registry details (TTL worker_ttl_s)              |
+| p:{reg}:workers          | zset   | {reg}   | worker id -> last heartbeat ms                              |
+| p:{reg}:gateways         | zset   | {reg}   | gateway id -> last heartbeat ms                             |
+| p:{reg}:orphans          | zset   | {reg}   | "rid|att" -> deadline of a parked orphan                    |
 
-Request entries carry one field `d` (msgpack of `RequestEntry`); output entries one field `d`
-(msgpack of an `OutEvent`). Output entry ids are explicit: `{seq}-0` for a token event and
-`{seq}-1` for the final one (see worker/events.py), which makes worker writes idempotent; only
-workers write output streams. The request stream is trimmed with approximate MAXLEN; an entry is
-XACKed only when its request has finished, so a dead worker's requests stay pending and are
-claimed by another worker (XAUTOCLAIM after `claim_idle_ms`).
+Request entries carry one field `d` (msgpack of `RequestEntry`, which names its gateway `gw`).
+History entries carry `d` = msgpack of ONE event; inbox entries `d` = a msgpack LIST of events
+(one XADD per gateway per worker flush, many requests in it). Events are v2 maps (below); see
+docs/transport.md for the whole data path, resume and the reasons.
 """
 
 from __future__ import annotations
@@ -33,41 +37,71 @@ from shared.protocol import PROTOCOL_VERSION
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
+EVENT_VERSION = 2
+
+# fields of p:{r:rid}:meta
+META_KEY = "key"        # API key id of the request's owner (resume must present the same key)
+META_GW = "gw"          # gateway whose inbox gets the live events
+META_OWNER = "owner"    # worker running the request (absent when none)
+META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
+META_ATT = "att"        # attach counter: bumped by every resume
 
 
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "llm"
 
+    # ---- slot {q}: the request queue and everything admission touches ----
     @property
     def requests(self) -> str:
-        return f"{self.prefix}:requests"
-
-    @property
-    def workers(self) -> str:
-        return f"{self.prefix}:workers"
+        return f"{self.prefix}:{{q}}:requests"
 
     @property
     def dead(self) -> str:
-        return f"{self.prefix}:dead"
+        return f"{self.prefix}:{{q}}:dead"
 
+    def conc(self, key_id: str) -> str:
+        return f"{self.prefix}:{{q}}:conc:{key_id}"
+
+    def rate(self, key_id: str, minute: int) -> str:
+        return f"{self.prefix}:{{q}}:rate:{key_id}:{minute}"
+
+    # ---- slot {r:rid}: one request ----
     def out(self, rid: str) -> str:
-        return f"{self.prefix}:out:{rid}"
+        return f"{self.prefix}:{{r:{rid}}}:out"
 
+    def meta(self, rid: str) -> str:
+        return f"{self.prefix}:{{r:{rid}}}:meta"
+
+    def cancel(self, rid: str) -> str:
+        return f"{self.prefix}:{{r:{rid}}}:cancel"
+
+    # ---- slot {g:gw}: one gateway ----
+    def inbox(self, gw: str) -> str:
+        return f"{self.prefix}:{{g:{gw}}}:inbox"
+
+    def gw_reqs(self, gw: str) -> str:
+        return f"{self.prefix}:{{g:{gw}}}:reqs"
+
+    # ---- slot {w:id}: one worker ----
     def ctl(self, worker_id: str) -> str:
-        return f"{self.prefix}:ctl:{worker_id}"
-
-    def owner(self, rid: str) -> str:
-        return f"{self.prefix}:owner:{rid}"
-
-    def cancelled(self, rid: str) -> str:
-        return f"{self.prefix}:cancelled:{rid}"
-
-    def alias(self, key_id: str, client_id: str) -> str:
-        return f"{self.prefix}:alias:{key_id}:{client_id}"
+        return f"{self.prefix}:{{w:{worker_id}}}:ctl"
 
     def worker(self, worker_id: str) -> str:
-        return f"{self.prefix}:worker:{worker_id}"
+        return f"{self.prefix}:{{w:{worker_id}}}:info"
+
+    # ---- slot {reg}: liveness registries ----
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:{{reg}}:workers"
+
+    @property
+    def gateways(self) -> str:
+        return f"{self.prefix}:{{reg}}:gateways"
+
+    @property
+    def orphans(self) -> str:
+        return f"{self.prefix}:{{reg}}:orphans"
 
 
 @dataclass
@@ -95,6 +129,7 @@ class RequestEntry:
     priority: Literal["interactive", "batch"] = "interactive"
     created_ms: int = 0
     key_id: str = ""
+    gw: str = ""         # id of the gateway that submitted it: live events go to its inbox
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -134,18 +169,81 @@ class RequestEntry:
         return entry
 
 
-# Output events. `seq` counts token events of the request from 1; `done`/`error` carry the
-# final seq. Kinds: "tok" (text + n tokens), "done" (finish_reason + usage), "err" (code,
-# message, retryable; also final).
-OutKind = Literal["tok", "done", "err"]
+# ---- events (v2) ---------------------------------------------------------------------------
+# Token event:  {"v":2,"k":"tok","rid","seq":S,"n":N,"ids":[N ids],"text","ep","ms"}: tokens S-N+1..S
+#               (`seq` = tokens delivered so far; `text` may be "" while ids advance).
+# Final events: {"v":2,"k":"done","rid","seq","finish_reason","usage","ep","ms"}
+#               {"v":2,"k":"err","rid","seq","code","message","retryable","ep","ms"}; no tokens.
+# Attach marker (inbox only): {"v":2,"k":"att","rid","seq":S|None,"ep","att"}: rid's live events
+#               come to this inbox from now on; everything <= S is in the history (None: this
+#               worker does not hold rid, read the history to its end).
+OutKind = Literal["tok", "done", "err", "att"]
+FINAL_KINDS = ("done", "err")
 
 
-def encode_event(kind: OutKind, seq: int, **fields: Any) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "k": kind, "seq": seq, **fields}, use_bin_type=True)
+def _pack(obj: dict) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int) -> bytes:
+    return _pack({"v": EVENT_VERSION, "k": "tok", "rid": rid, "seq": seq, "n": len(ids), "ids": ids,
+                  "text": text, "ep": ep, "ms": ms})
+
+
+def encode_done(rid: str, seq: int, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                ep: int, ms: int) -> bytes:
+    return _pack({"v": EVENT_VERSION, "k": "done", "rid": rid, "seq": seq, "finish_reason": finish_reason,
+                  "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+                  "ep": ep, "ms": ms})
+
+
+def encode_err(rid: str, seq: int, code: str, message: str, retryable: bool, ep: int, ms: int) -> bytes:
+    return _pack({"v": EVENT_VERSION, "k": "err", "rid": rid, "seq": seq, "code": code, "message": message,
+                  "retryable": retryable, "ep": ep, "ms": ms})
+
+
+def encode_attach_marker(rid: str, seq: int | None, ep: int, att: int) -> bytes:
+    return _pack({"v": EVENT_VERSION, "k": "att", "rid": rid, "seq": seq, "ep": ep, "att": att})
 
 
 def decode_event(raw: bytes) -> dict[str, Any]:
+    """One event (a history entry's `d`)."""
     return msgpack.unpackb(raw, raw=False)
+
+
+def pack_event_list(payloads: list[bytes]) -> bytes:
+    """An inbox entry's `d`: a msgpack array of already-packed events. Built by concatenation
+    (array header + the packed maps), so each event is encoded once for history and inbox."""
+    n = len(payloads)
+    if n < 16:
+        header = bytes([0x90 | n])
+    elif n < 1 << 16:
+        header = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + n.to_bytes(4, "big")
+    return header + b"".join(payloads)
+
+
+def decode_event_list(raw: bytes) -> list[dict[str, Any]]:
+    """The events of one inbox entry."""
+    events = msgpack.unpackb(raw, raw=False)
+    return events if isinstance(events, list) else [events]
+
+
+def history_id(seq: int, final: bool) -> str:
+    """History entry id from seq: idempotent writes (a retried XADD of the same event is refused
+    as "equal or smaller") and a stream a resume can XRANGE by seq."""
+    return f"{seq}-{1 if final else 0}"
+
+
+# ---- control entries (p:{w:id}:ctl, field `d`) ----
+def encode_cancel(rid: str) -> bytes:
+    return _pack({"v": EVENT_VERSION, "k": "cancel", "rid": rid})
+
+
+def encode_attach(rid: str, gw: str, att: int) -> bytes:
+    """Resume: "send rid's live events to gateway `gw` from now on, after an att marker"."""
+    return _pack({"v": EVENT_VERSION, "k": "attach", "rid": rid, "gw": gw, "att": att})
 
 
 def as_str(value: Any) -> str:

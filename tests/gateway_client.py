@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections import defaultdict, deque
 
@@ -58,3 +59,66 @@ class GatewayClient:
 
     async def close(self) -> None:
         await self.ws.close()
+
+
+# ---------------------------------------------------------------- a raw socket (blocking; use in a thread)
+
+def open_raw_socket(host: str, port: int, *, rcvbuf: int | None = None, path: str = "/v1/stream",
+                    timeout: float = 10.0) -> socket.socket:
+    """A WebSocket handshake on a plain TCP socket whose receive buffer can be made small, for
+    clients that stop reading. The caller writes frames with `masked_frame` and reads nothing."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)   # before connect: sets the window
+    sock.settimeout(timeout)
+    sock.connect((host, port))
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        head += chunk
+    if b" 101 " not in head.split(b"\r\n")[0]:
+        raise ConnectionError(head.decode(errors="replace"))
+    return sock
+
+
+def masked_frame(payload: bytes, opcode: int = 0x1) -> bytes:
+    """One client frame (clients must mask), FIN set; text by default."""
+    mask = b"\x01\x02\x03\x04"
+    n = len(payload)
+    header = bytes([0x80 | opcode])
+    if n < 126:
+        header += bytes([0x80 | n])
+    elif n < 65536:
+        header += bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        header += bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def send_until_blocked(sock: socket.socket, data: bytes, block_s: float = 3.0) -> int:
+    """Write `data` until done or until the peer stops reading for `block_s`; bytes written."""
+    sock.settimeout(block_s)
+    sent = 0
+    try:
+        while sent < len(data):
+            sent += sock.send(data[sent:sent + 65536])
+    except (TimeoutError, socket.timeout, OSError):
+        pass
+    return sent
+
+
+def read_until_reset(sock: socket.socket, timeout: float = 20.0) -> bool:
+    """Drain what the server sent; True once the connection is closed or reset (a hang is False)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except (TimeoutError, socket.timeout):
+        return False

@@ -18,9 +18,8 @@ import uuid
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-import redis
-
 from shared.localredis import free_port
+from shared.redis_client import connect_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -78,14 +77,15 @@ def spawn(module: str, env: dict, log_dir: Path, name: str) -> Proc:
 
 
 def wait_for_worker(redis_url: str, prefix: str, proc: Proc, *, count: int = 1, timeout: float = 120.0) -> None:
-    """A worker is ready once it is in the registry zset `{p}:workers`."""
-    client = redis.Redis.from_url(redis_url)
+    """A worker is ready once it is in the registry zset `p:{reg}:workers`."""
+    from shared.streams import Keys
+    client = connect_sync(redis_url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise RuntimeError(f"worker exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
-            if client.zcard(f"{prefix}:workers") >= count:
+            if client.zcard(Keys(prefix).workers) >= count:
                 return
             time.sleep(0.1)
     finally:

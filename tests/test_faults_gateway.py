@@ -60,14 +60,14 @@ async def test_gateway_killed_mid_stream_client_resumes_elsewhere(redis_server, 
                 msg = await a.recv("s1", timeout=10)
                 seen.append(msg)                          # chunks already in flight still count
         b = await GatewayClient.connect(base_b.replace("http", "ws") + "/v1/stream")
-        await b.send(type="resume", id="s1", last_seq=seen[-1]["seq"])
+        await b.send(type="resume", id="s1", last_seq=seen[-1]["seq"], request_id=rid)
         assert (await b.recv("s1"))["type"] == "accepted"
         rest, done = await b.until_done("s1", timeout=60)
         assert done["type"] == "done" and done["finish_reason"] == "length", done
         text, events = await worker_record(redis_client, keys, rid)
         assert "".join(ch["text"] for ch in seen + rest) == text             # nothing lost, nothing twice
         assert sum(ch["tokens"] for ch in seen + rest) == 800
-        assert done["seq"] == sum(e["k"] == "tok" for e in events)
+        assert done["seq"] == sum(e["n"] for e in events if e["k"] == "tok")
         await b.close()
     finally:
         for p in [gw_a, gw_b, *workers]:
@@ -110,7 +110,7 @@ async def test_500_concurrent_streams_two_gateways_two_workers(redis_server, red
             text, events = await worker_record(redis_client, keys, rid)
             assert "".join(ch["text"] for ch in chunks) == text, cid
             seqs = [ch["seq"] for ch in chunks]
-            assert seqs == sorted(set(seqs)) and done["seq"] == sum(e["k"] == "tok" for e in events)
+            assert seqs == sorted(set(seqs)) and done["seq"] == sum(e["n"] for e in events if e["k"] == "tok")
             tokens = sum(ch["tokens"] for ch in chunks)
             assert tokens == done["usage"]["completion_tokens"] == events[-1]["usage"]["completion_tokens"]
             assert tokens <= params["max_tokens"]

@@ -1,6 +1,7 @@
 """Worker-side faults with a real redis-server and real `python -m worker` processes:
 SIGKILL mid-stream (claim + replay / worker_lost), SIGTERM hand-back, Redis restart
-mid-stream, and requests that keep failing (dead-lettered after max deliveries)."""
+mid-stream, Redis refusing writes (OOM under noeviction), and requests that keep failing
+(dead-lettered after max deliveries)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.backlog import live_workers
 from shared.localredis import LocalRedis
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, encode_event
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, encode_tok, history_id
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
-from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
+from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, read_events, read_inbox, submit,
+                                text_of, wait_for_tokens)
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
@@ -54,12 +56,12 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
                                                    entry(rnd, max_tokens=600, temperature=0.9)])
         for rid in (greedy, seeded, rnd):
             await wait_for_tokens(redis_client, keys, rid, 20)
-        owners = {(await redis_client.get(keys.owner(r))).decode() for r in (greedy, seeded, rnd)}
+        owners = {await owner_of(redis_client, keys, r) for r in (greedy, seeded, rnd)}
         assert len(owners) == 1
         victim = next(p for p, name in zip(procs, ("wa", "wb")) if name in owners)
         survivor = next(p for p in procs if p is not victim)
         victim.signal(signal.SIGKILL)
-        killed_at = time.monotonic()
+        killed_at, killed_ms = time.monotonic(), time.time() * 1000
         for rid in (greedy, seeded, rnd):  # a killed worker writes nothing more: they were mid-stream
             last = await redis_client.xrevrange(keys.out(rid), count=1)
             assert last[0][0].endswith(b"-0"), "finished before the kill"
@@ -70,7 +72,7 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
         # the random one ends with a clear retryable error, after the tokens it had
         assert ev_rnd[-1]["k"] == "err" and ev_rnd[-1]["code"] == "worker_lost" and ev_rnd[-1]["retryable"]
         check_seqs(ev_rnd)
-        assert ev_rnd[-1]["_t"] - killed_at < 15
+        assert ev_rnd[-1]["ms"] - killed_ms < 15_000   # written by the survivor (its clock), not read time
         # deterministic ones finish seamlessly: seq continues, text identical to an uninterrupted run
         for rid, params in ((greedy, dict(temperature=0.0)), (seeded, dict(temperature=0.9, seed=7))):
             events = ev_greedy if rid == greedy else ev_seeded
@@ -79,6 +81,8 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
             assert events[-1]["usage"]["completion_tokens"] == 600
             ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=600, **params)
             assert text_of(events) == text_of(await read_events(redis_client, keys, ref, timeout=60))
+            # the claiming worker stamps the next epoch (meta.epoch bumped on claim)
+            assert {e["ep"] for e in events} == {1, 2} and events[-1]["ep"] == 2
         assert survivor.alive()
         assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
         # the registry no longer lists the dead worker (silent > WORKER_TTL_S), only the survivor
@@ -100,15 +104,17 @@ async def test_sigterm_hands_running_requests_back(redis_server, redis_client, s
         rid = new_rid()
         await submit_together(redis_client, keys, [entry(rid, max_tokens=1000, temperature=0.0)])
         await wait_for_tokens(redis_client, keys, rid, 20)
-        owner = (await redis_client.get(keys.owner(rid))).decode()
+        owner = await owner_of(redis_client, keys, rid)
         victim = procs[0] if owner == "wa" else procs[1]
-        t0 = time.monotonic()
+        t0_ms = time.time() * 1000
         victim.signal(signal.SIGTERM)
         assert victim.popen.wait(15) == 0
         events = await read_events(redis_client, keys, rid, timeout=60)
         assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 1000
         check_seqs(events)
-        assert events[-1]["_t"] - t0 < 15  # well before CLAIM_IDLE_MS would let anyone claim it
+        # the survivor (epoch 2) continued well before CLAIM_IDLE_MS (20 s) would let anyone claim it
+        resumed = next(e for e in events if e["ep"] == 2)
+        assert resumed["ms"] - t0_ms < 10_000, resumed["ms"] - t0_ms
         assert "handed back 1 requests" in victim.log()
         assert await redis_client.zscore(keys.workers, owner) is None  # deregistered
         ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=1000, temperature=0.0)
@@ -158,10 +164,9 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
     await redis_client.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
     rid = await submit(redis_client, keys, max_tokens=5)
     # its last (dead) worker had already streamed two tokens
-    from worker.events import tok_id
     for seq in (1, 2):
-        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: encode_event("tok", seq, text="x", n=1, t=seq)},
-                                id=tok_id(seq))
+        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: encode_tok(rid, seq, [7], "x", 1, 0)},
+                                id=history_id(seq, False))
     resp = await redis_client.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"}, count=1)
     entry_id = resp[0][1][0][0]
     await redis_client.xclaim(keys.requests, CONSUMER_GROUP, "ghost", 0, [entry_id], retrycount=9, idle=10_000_000,
@@ -173,6 +178,9 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
         ev = events[-1]
         assert ev["k"] == "err" and ev["code"] == "worker_lost" and ev["retryable"] is False
         check_seqs(events)                                  # final seq follows the delivered tokens
+        deadline = time.monotonic() + 10     # dead letter + ack follow the final (one MULTI on {q})
+        while not await redis_client.xlen(keys.dead) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         dead = await redis_client.xrange(keys.dead)
         assert len(dead) == 1 and b"delivered 10 times" in dead[0][1][b"reason"]
         assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
@@ -180,3 +188,54 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
         assert (await read_events(redis_client, keys, ok))[-1]["k"] == "done"
     finally:
         proc.stop()
+
+
+async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(tiny_model_dir, tmp_path):
+    """Redis full (`maxmemory` below its use, `noeviction`): every output write is refused with
+    OOM. Nothing the engine produced may be dropped: the tokens stay queued, the request is given
+    up after repeated refusals (engine slot freed) and, once Redis accepts writes again, the client
+    finds every token followed by a retryable `output_write_failed`; the entry is acked and its
+    concurrency lease released; the worker keeps serving."""
+    server = LocalRedis().start()
+    client = aioredis.from_url(server.url)
+    keys = Keys("oom")
+    proc = start_worker(server.url, "oom", tiny_model_dir, tmp_path, name="w-oom",
+                        env={**FAST_CLAIM, "CLAIM_IDLE_MS": 60000, "MAX_BATCH": 1})
+    try:
+        await client.config_set("maxmemory-policy", "noeviction")
+        gw = "g-oom"
+        rid = new_rid()
+        await client.zadd(keys.conc("k"), {rid: int(time.time() * 1000) + 600_000})
+        await submit(client, keys, rid, gw=gw, key_id="k", prompt=PROMPT, max_tokens=2000, temperature=0.0)
+        await wait_for_tokens(client, keys, rid, 10)
+        used = int((await client.info("memory"))["used_memory"])
+        await client.config_set("maxmemory", str(used // 2))
+        refused_at = await last_seq(client, keys, rid)
+        deadline = time.monotonic() + 60
+        while "giving up on" not in proc.log() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert "giving up on" in proc.log(), proc.log()[-3000:]
+        assert await last_seq(client, keys, rid) <= refused_at + 50      # writes really were refused
+        await client.config_set("maxmemory", "0")                       # Redis accepts writes again
+
+        events = await read_events(client, keys, rid, timeout=30)
+        check_seqs(events)                                              # 1..S, no gap, no repeat
+        final = events[-1]
+        assert final["k"] == "err" and final["code"] == "output_write_failed" and final["retryable"] is True
+        assert final["seq"] > refused_at            # tokens made while Redis refused were kept, then written
+        assert final["seq"] < 2000
+        ref = await submit(client, keys, prompt=PROMPT, max_tokens=final["seq"], temperature=0.0)
+        assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
+        live, _ = await read_inbox(client, keys, gw, {rid}, timeout=10)
+        assert [e["seq"] for e in dedup_live(live[rid])] == [e["seq"] for e in events]
+        deadline = time.monotonic() + 10
+        while (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await client.zscore(keys.conc("k"), rid) is None
+        assert await owner_of(client, keys, rid) is None
+        assert proc.alive()
+    finally:
+        proc.stop()
+        await client.aclose()
+        server.stop()

@@ -12,7 +12,7 @@ from shared.protocol import (
     Accepted, Chunk, Done, Error, Heartbeat, Pong, Usage, decode_frame, encode_server,
     parse_client_message, parse_server_message,
 )
-from shared.streams import Keys, RequestEntry, SamplingParams, decode_event, encode_event
+from shared.streams import Keys, RequestEntry, SamplingParams, decode_event, encode_tok
 
 CLIENT_MESSAGES = [
     {"type": "generate", "id": "r1", "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "seed": 3, "stop": ["\n"]},
@@ -128,8 +128,13 @@ def test_malformed_request_entries_raise_value_error(raw):
         RequestEntry.decode(raw)
 
 
-def test_out_events_round_trip():
-    raw = encode_event("tok", 3, text="ab", n=2)
-    assert decode_event(raw) == {"v": 1, "k": "tok", "seq": 3, "text": "ab", "n": 2}
+def test_out_events_round_trip_and_keys_are_hash_tagged():
+    raw = encode_tok("r", 3, [5, 6], "ab", 2, 1000)
+    assert decode_event(raw) == {"v": 2, "k": "tok", "rid": "r", "seq": 3, "n": 2, "ids": [5, 6], "text": "ab",
+                                 "ep": 2, "ms": 1000}
     keys = Keys("p")
-    assert keys.out("r") == "p:out:r" and keys.ctl("w") == "p:ctl:w" and keys.requests == "p:requests"
+    assert keys.out("r") == "p:{r:r}:out" and keys.meta("r") == "p:{r:r}:meta" and keys.cancel("r") == "p:{r:r}:cancel"
+    assert keys.requests == "p:{q}:requests" and keys.conc("k") == "p:{q}:conc:k" and keys.dead == "p:{q}:dead"
+    assert keys.inbox("g") == "p:{g:g}:inbox" and keys.ctl("w") == "p:{w:w}:ctl" and keys.workers == "p:{reg}:workers"
+    entry = RequestEntry(rid="a", params=SamplingParams(), prompt="x", gw="g1", key_id="k")
+    assert RequestEntry.decode(entry.encode()).gw == "g1"

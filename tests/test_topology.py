@@ -32,7 +32,7 @@ import pytest
 import redis
 import websockets
 
-from shared.streams import Keys, decode_event
+from shared.streams import META_OWNER, Keys, decode_event
 
 ROOT = Path(__file__).resolve().parent.parent
 STACK = ROOT / "scripts" / "stack.py"
@@ -156,7 +156,8 @@ class Client:
 
     async def resume(self, cid: str, last_seq: int) -> None:
         self.chunks.setdefault(cid, [])
-        await self.ws.send(json.dumps({"type": "resume", "id": cid, "last_seq": last_seq}))
+        await self.ws.send(json.dumps({"type": "resume", "id": cid, "last_seq": last_seq,
+                                       "request_id": self.accepted[cid]}))
 
     async def pump(self, until, timeout: float) -> None:
         """Read frames until `until(self)` is true. Raises on timeout; returns when the socket closes."""
@@ -271,7 +272,7 @@ async def test_worker_sigterm_mid_stream_finishes_or_hands_back(stack):
             await client.generate(cid, f"A long story, part {cid}", LONG)
         await client.pump(lambda c: len(c.accepted) == len(ids) and all(c.chunks[i] for i in ids), timeout=60)
         # the worker that owns the first request gets SIGTERM while it is streaming
-        owner = stack.redis.get(stack.keys.owner(client.accepted[ids[0]]))
+        owner = stack.redis.hget(stack.keys.meta(client.accepted[ids[0]]), META_OWNER)
         assert owner, "the running request has no owner key"
         victim = next(w for w in stack.state["workers"] if w["worker_id"] == owner.decode())
         assert ids[0] not in client.done, "the request finished before the worker could be interrupted"

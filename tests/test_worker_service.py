@@ -9,9 +9,9 @@ import msgpack
 import pytest
 
 from shared.backlog import live_workers, read_backlog
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_cancel
 from tests.stack_fixtures import start_worker
-from tests.worker_redis import check_seqs, new_rid, read_events, submit, text_of, wait_for_tokens
+from tests.worker_redis import check_seqs, new_rid, owner_of, read_events, submit, text_of, wait_for_tokens
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +32,15 @@ async def test_streams_tokens_and_acks(worker_env, redis_client):
     done = events[-1]
     assert done["k"] == "done" and done["finish_reason"] in ("stop", "length")
     toks = [e for e in events if e["k"] == "tok"]
-    assert sum(e["n"] for e in toks) == done["usage"]["completion_tokens"] <= 12
-    assert toks[-1]["t"] == done["usage"]["completion_tokens"]
+    assert sum(e["n"] for e in toks) == done["usage"]["completion_tokens"] == done["seq"] <= 12
     assert done["usage"]["prompt_tokens"] > 0
-    # acked (nothing pending), owner key gone, output stream has a TTL
+    assert all(e["ep"] == 1 for e in events)             # first run: epoch 1, from meta.epoch
+    # acked (nothing pending), owner gone from meta, history and meta have a TTL
     summary = await redis_client.xpending(keys.requests, CONSUMER_GROUP)
     assert summary["pending"] == 0
-    assert await redis_client.get(keys.owner(rid)) is None
+    assert await owner_of(redis_client, keys, rid) is None
     assert 0 < await redis_client.ttl(keys.out(rid)) <= 600
+    assert 0 < await redis_client.ttl(keys.meta(rid)) <= 600
 
 
 async def test_greedy_is_reproducible_and_batched(worker_env, redis_client):
@@ -63,10 +64,10 @@ async def test_cancel_reaches_owner_quickly(worker_env, redis_client):
     keys, _ = worker_env
     rid = await submit(redis_client, keys, max_tokens=900, prompt="Count forever")
     await wait_for_tokens(redis_client, keys, rid, 3)
-    owner = (await redis_client.get(keys.owner(rid))).decode()
+    owner = await owner_of(redis_client, keys, rid)
     assert owner == "w-svc"
     t0 = time.monotonic()
-    await redis_client.xadd(keys.ctl(owner), {ENTRY_FIELD: msgpack.packb({"v": 1, "k": "cancel", "rid": rid})})
+    await redis_client.xadd(keys.ctl(owner), {ENTRY_FIELD: encode_cancel(rid)})
     events = await read_events(redis_client, keys, rid)
     latency = events[-1]["_t"] - t0
     assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "cancelled"
@@ -78,7 +79,7 @@ async def test_cancel_reaches_owner_quickly(worker_env, redis_client):
 async def test_cancel_flag_before_claim(worker_env, redis_client):
     keys, _ = worker_env
     rid = new_rid()
-    await redis_client.set(keys.cancelled(rid), 1, ex=60)
+    await redis_client.set(keys.cancel(rid), 1, ex=60)
     await submit(redis_client, keys, rid, max_tokens=50)
     events = await read_events(redis_client, keys, rid)
     assert [e["k"] for e in events] == ["done"] and events[0]["finish_reason"] == "cancelled"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 
 from shared.errors import ErrorCode
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
+                            decode_event_list, encode_tok, pack_event_list)
 from worker.engine import StepOutput
-from worker.events import InFlight, Progress, progress_from_last, step_events
+from worker.events import InFlight, Progress, progress_from_last
 from worker.failover import decide, rid_of_raw
-from worker.service import trim_finished
+from worker.intake import trim_finished
 
 
 def entry(**params) -> RequestEntry:
@@ -18,29 +19,63 @@ def entry(**params) -> RequestEntry:
 
 def test_failover_decisions():
     assert decide(entry(temperature=0.7), Progress()).action == "run"
-    assert decide(entry(temperature=0.7), Progress(seq=3, tokens=3, finished=True)).action == "ack"
-    d = decide(entry(temperature=0.0), Progress(seq=4, tokens=5))
+    assert decide(entry(temperature=0.7), Progress(seq=3, finished=True)).action == "ack"
+    d = decide(entry(temperature=0.0), Progress(seq=5))
     assert (d.action, d.skip_tokens) == ("replay", 5)
-    assert decide(entry(temperature=0.7, seed=3), Progress(seq=4, tokens=4)).action == "replay"
-    assert decide(entry(temperature=0.7), Progress(seq=4, tokens=4)).action == "lost"
+    assert decide(entry(temperature=0.7, seed=3), Progress(seq=4)).action == "replay"
+    assert decide(entry(temperature=0.7), Progress(seq=4)).action == "lost"
 
 
-def test_events_count_seq_and_tokens_and_progress_round_trips():
-    st = InFlight(rid="r", entry_id="1-0", entry=entry())
-    out = lambda text, ids, fin=False, reason=None: StepOutput("r", text, ids, fin, reason, 3, 0)
-    evs = step_events(st, out("Hel", [1])) + step_events(st, out("", [2])) + step_events(st, out("lo", [3], True, "length"))
-    ids = [i for i, _ in evs]
-    assert ids == ["1-0", "2-0", "3-0", "3-1"]            # idempotent ids from seq
-    decoded = [decode_event(p) for _, p in evs]
-    assert [(e["k"], e["seq"]) for e in decoded] == [("tok", 1), ("tok", 2), ("tok", 3), ("done", 3)]
-    assert [e.get("t") for e in decoded[:3]] == [1, 2, 3]
-    assert all(abs(e["ms"] - time.time() * 1000) < 60_000 for e in decoded[:3])
-    assert progress_from_last(decoded[1]) == Progress(seq=2, tokens=2)
+def out(text, ids, fin=False, reason=None):
+    return StepOutput("r", text, ids, fin, reason, 3, 0)
+
+
+def test_events_v2_cover_many_tokens_with_ids_seq_range_and_epoch():
+    st = InFlight.start("r", "1-0", entry(), Progress(), epoch=2, gw="g1")
+    st.add_output(out("Hel", [1]))
+    st.freeze()
+    st.add_output(out("", [2]))                  # held-back bytes: ids advance, no text yet
+    st.add_output(out("lo", [3]))
+    st.add_output(out(" you", [4], True, "length"))
+    assert [f.entry_id for f in st.unsent] == ["1-0", "4-0", "4-1"]   # idempotent ids from seq
+    decoded = [decode_event(f.payload) for f in st.unsent]
+    assert [(e["k"], e["seq"], e.get("n")) for e in decoded] == [("tok", 1, 1), ("tok", 4, 3), ("done", 4, None)]
+    assert decoded[1]["ids"] == [2, 3, 4] and decoded[1]["text"] == "lo you"
+    assert all(e["v"] == 2 and e["ep"] == 2 and e["rid"] == "r" for e in decoded)
+    assert all(abs(e["ms"] - time.time() * 1000) < 60_000 for e in decoded)
+    assert progress_from_last(decoded[1]) == Progress(seq=4)
     assert progress_from_last(decoded[-1]).finished
-    err = step_events(InFlight("r", "1-0", entry()), StepOutput("r", "", [], True, "error", 3, 0,
-                                                             ErrorCode.CONTEXT_TOO_LONG, "too long"))
-    e = decode_event(err[0][1])
-    assert (err[0][0], e["k"], e["code"], e["retryable"]) == ("0-1", "err", "context_too_long", False)
+    # outputs stay queued until confirmed; a retry sends the very same frozen events
+    before = list(st.unsent)
+    st.freeze()
+    assert st.unsent == before and st.written_seq == 0
+    st.confirm(before[:2])
+    assert st.written_seq == 4 and not st.final_written and st.unsent == before[2:]
+    st.add_output(out("late", [9]))              # after the final: never a token beyond it
+    st.confirm(before[2:])
+    assert st.final_written and st.unsent == []
+
+
+def test_error_final_and_urgency():
+    st = InFlight.start("r", "1-0", entry(), Progress())
+    assert not st.urgent
+    st.add_output(out("a", [5]))
+    assert st.urgent                             # the first token goes out at once
+    st.freeze()
+    st.confirm(list(st.unsent))
+    st.add_output(out("b", [6]))
+    assert st.has_news and not st.urgent         # later tokens wait for the flush tick
+    st.add_output(StepOutput("r", "", [], True, "error", 3, 0, ErrorCode.CONTEXT_TOO_LONG, "too long"))
+    assert st.urgent
+    e = decode_event(st.unsent[-1].payload)
+    assert (st.unsent[-1].entry_id, e["k"], e["code"], e["retryable"], e["seq"]) == \
+        ("2-1", "err", "context_too_long", False, 2)
+
+
+def test_inbox_entries_are_lists_of_events():
+    payloads = [encode_tok(f"r{i}", i + 1, [i], "x", 1, 0) for i in range(40)]
+    for n in (0, 1, 15, 16, 40):
+        assert decode_event_list(pack_event_list(payloads[:n])) == [decode_event(p) for p in payloads[:n]]
 
 
 def test_rid_of_raw_is_best_effort():
@@ -64,3 +99,27 @@ async def test_trim_keeps_pending_and_undelivered(redis_client, stream_prefix):
     await redis_client.xack(keys.requests, CONSUMER_GROUP, *ids[4:])
     await trim_finished(redis_client, keys, approximate=False)
     assert await redis_client.xlen(keys.requests) == 0
+
+
+def test_synthetic_engine_paces_steps_replays_identically_and_cancels():
+    from worker.engine import EngineRequest
+    from worker.synthetic import SyntheticEngine
+
+    eng = SyntheticEngine(max_batch=2, step_ms=5)
+    params = SamplingParams(max_tokens=6)
+    eng.add(EngineRequest("a", [1], params))
+    eng.add(EngineRequest("b", [1], params, skip_tokens=4))      # a replay: first 4 tokens suppressed
+    eng.add(EngineRequest("c", [1], params))                      # waits: batch is 2
+    t0 = time.monotonic()
+    outs = []
+    for _ in range(6):
+        outs += eng.step()
+    assert time.monotonic() - t0 >= 0.025                          # ~5 ms a step
+    a = [o for o in outs if o.rid == "a"]
+    b = [o for o in outs if o.rid == "b"]
+    assert len(a) == 6 and a[-1].finished and a[-1].finish_reason == "length"
+    assert [o.token_ids for o in b] == [o.token_ids for o in a[4:]] and [o.text for o in b] == [o.text for o in a[4:]]
+    assert all(o.text for o in a)
+    assert eng.num_running == 0 and eng.num_waiting == 1 and eng.cancel("c") and not eng.cancel("zz")
+    final = eng.step()
+    assert [(o.rid, o.finish_reason) for o in final] == [("c", "cancelled")] and not eng.has_work

@@ -1,4 +1,5 @@
-"""Talking to workers the way a gateway does: XADD a request entry, read its output stream."""
+"""Talking to workers the way a gateway does: XADD a request entry, read its history stream
+(`p:{r:rid}:out`) or a gateway inbox (`p:{g:gw}:inbox`) directly, with transport v2 events."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import time
 import uuid
 
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event
+from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event, decode_event_list
 
 
 def new_rid() -> str:
@@ -14,19 +15,19 @@ def new_rid() -> str:
 
 
 async def submit(redis, keys: Keys, rid: str | None = None, *, prompt: str = "Tell me a story about a cat.",
-                 messages=None, **params) -> str:
+                 messages=None, gw: str = "", key_id: str = "", **params) -> str:
     rid = rid or new_rid()
     params.setdefault("max_tokens", 16)
     params.setdefault("temperature", 0.0)
     entry = RequestEntry(rid=rid, params=SamplingParams(**params), prompt=None if messages else prompt,
-                         messages=messages, created_ms=int(time.time() * 1000))
+                         messages=messages, created_ms=int(time.time() * 1000), gw=gw, key_id=key_id)
     await redis.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
     return rid
 
 
 async def read_events(redis, keys: Keys, rid: str, *, after: str = "0-0", timeout: float = 60.0,
                       until_final: bool = True) -> list[dict]:
-    """Events of `rid` (each with its stream id under "_id") until the final one, or timeout."""
+    """History events of `rid` (each with its stream id under "_id") until the final one, or timeout."""
     events: list[dict] = []
     last = after
     deadline = time.monotonic() + timeout
@@ -46,13 +47,65 @@ async def read_events(redis, keys: Keys, rid: str, *, after: str = "0-0", timeou
     raise AssertionError(f"no final event for {rid} within {timeout}s; got {len(events)} events")
 
 
+async def read_inbox(redis, keys: Keys, gw: str, rids: set[str], *, timeout: float = 60.0,
+                     after: str = "0-0") -> tuple[dict[str, list[dict]], list[int]]:
+    """Live events of `rids` from gateway `gw`'s inbox until each has a final event, as a gateway
+    reads them. Also returns the number of events in each inbox entry."""
+    per_rid: dict[str, list[dict]] = {rid: [] for rid in rids}
+    open_rids = set(rids)
+    sizes: list[int] = []
+    last = after
+    deadline = time.monotonic() + timeout
+    while open_rids and time.monotonic() < deadline:
+        resp = await redis.xread({keys.inbox(gw): last}, block=200, count=500)
+        for _key, entries in resp or []:
+            for entry_id, fields in entries:
+                last = entry_id.decode()
+                events = decode_event_list(fields[ENTRY_FIELD])
+                sizes.append(len(events))
+                for ev in events:
+                    ev["_t"] = time.monotonic()
+                    ev["_written_ms"] = int(last.split("-")[0])    # Redis clock at the XADD
+                    if ev["rid"] in per_rid:
+                        per_rid[ev["rid"]].append(ev)
+                        if ev["k"] in ("done", "err"):
+                            open_rids.discard(ev["rid"])
+    if open_rids:
+        raise AssertionError(f"no final event in inbox {gw} for {sorted(open_rids)} within {timeout}s")
+    return per_rid, sizes
+
+
+def dedup_live(events: list[dict]) -> list[dict]:
+    """What a gateway forwards: events in seq order, each token seq once (retries may repeat)."""
+    out, seen, final = [], 0, False
+    for ev in events:
+        if ev["k"] == "tok" and ev["seq"] > seen:
+            out.append(ev)
+            seen = ev["seq"]
+        elif ev["k"] in ("done", "err") and not final:
+            out.append(ev)
+            final = True
+    return out
+
+
+async def last_seq(redis, keys: Keys, rid: str) -> int:
+    last = await redis.xrevrange(keys.out(rid), count=1)
+    return decode_event(last[0][1][ENTRY_FIELD])["seq"] if last else 0
+
+
 async def wait_for_tokens(redis, keys: Keys, rid: str, n: int, timeout: float = 60.0) -> None:
+    """Until the history holds at least `n` tokens of `rid`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if await redis.xlen(keys.out(rid)) >= n:
+        if await last_seq(redis, keys, rid) >= n:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{rid} did not reach {n} events")
+    raise AssertionError(f"{rid} did not reach {n} tokens")
+
+
+async def owner_of(redis, keys: Keys, rid: str) -> str | None:
+    owner = await redis.hget(keys.meta(rid), "owner")
+    return owner.decode() if owner else None
 
 
 def text_of(events: list[dict]) -> str:
@@ -60,7 +113,11 @@ def text_of(events: list[dict]) -> str:
 
 
 def check_seqs(events: list[dict]) -> None:
-    """Token events count 1, 2, 3... without gaps or repeats; the final event carries the last seq."""
-    toks = [e["seq"] for e in events if e["k"] == "tok"]
-    assert toks == list(range(1, len(toks) + 1)), toks
-    assert events[-1]["seq"] == len(toks)
+    """Token events cover tokens 1..S without gaps or repeats (seq = tokens so far, n tokens
+    each, n ids); the final event carries the last seq and comes last."""
+    seq = 0
+    for ev in events[:-1]:
+        assert ev["k"] == "tok", ev
+        assert ev["n"] >= 1 and len(ev["ids"]) == ev["n"] and ev["seq"] == seq + ev["n"], (seq, ev)
+        seq = ev["seq"]
+    assert events[-1]["k"] in ("done", "err") and events[-1]["seq"] == seq, events[-1]

@@ -138,7 +138,7 @@ class EngineThread:
         except Exception as exc:
             return [error_output(entry.rid, ErrorCode.INVALID_REQUEST, f"could not build the prompt: {exc}")]
         if len(ids) > self.max_prompt_tokens:
-            return [error_output(entry.rid, ErrorCode.PROMPT_TOO_LARGE,
+            return [error_output(entry.rid, ErrorCode.CONTEXT_TOO_LONG,
                                  f"prompt is {len(ids)} tokens, the limit is {self.max_prompt_tokens}", len(ids))]
         try:
             self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,

@@ -1,90 +1,160 @@
-"""StepOutput -> output-stream events, with the per-request counters that make `seq` continuous.
+"""One request's output on its way to Redis: engine step outputs -> v2 events, queued until written.
 
-Each step output carrying tokens becomes one "tok" event: seq + 1, its text, `n` tokens and `t`,
-the total tokens delivered so far. `t` lets a worker that takes over the request (failover)
-know from the last event alone how many tokens to suppress when it replays it. A finished
-output becomes "done" (finish_reason, usage) or "err" (code, message, retryable) with the
-request's final seq, so a client resuming after last_seq sees each seq exactly once.
+Why a queue per request: a write can fail (Redis restarting, or refusing writes when full), and
+an event may only leave the queue once Redis has it. Step outputs are appended to `pending`
+(token ids + text); `freeze()` turns what is pending into ONE token event covering many tokens
+(`seq` = tokens delivered so far, `n` tokens, their ids and text) and appends it to `unsent`,
+where it stays, byte for byte, until a write confirms it. Freezing before writing matters: a
+retried write must send exactly the event it tried before (same id `{seq}-0`, same tokens), or a
+write whose reply was lost would be followed by an overlapping one.
 
-Every event has an explicit stream id derived from its seq: "{seq}-0" for a token event,
-"{seq}-1" for the final one. That makes writes idempotent: when a MULTI/EXEC is retried after a
-connection drop that hid its reply (Redis restarting), Redis rejects the already-written ids
-instead of appending duplicates, and a worker replaying a request after failover continues
-exactly where the stream ends.
+A final output (done/err) is frozen right after the tokens of the same flush, as its own event
+`{seq}-1` that carries no tokens. Event ids come from `seq`, so a history write is idempotent.
+`epoch` (from meta.epoch, bumped by every worker that takes the request) is stamped on every
+event so a gateway can refuse a stale writer's output.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import msgpack
+
 from shared.errors import RETRYABLE, ErrorCode
-from shared.streams import RequestEntry, encode_event
+from shared.streams import (FINAL_KINDS, RequestEntry, encode_attach_marker, encode_done, encode_err, encode_tok,
+                            history_id)
 from worker.engine import StepOutput
 
 
 @dataclass
 class Progress:
-    """How far a request's output stream got (read back from its last event on claim)."""
+    """How far a request's history got (read back from its last event on claim)."""
     seq: int = 0
-    tokens: int = 0
     finished: bool = False
+
+
+def progress_from_last(last: dict | None) -> Progress:
+    """Progress from the newest event of a history stream (None: nothing written yet)."""
+    if not last:
+        return Progress()
+    return Progress(seq=int(last.get("seq") or 0), finished=last.get("k") in FINAL_KINDS)
+
+
+@dataclass
+class Frozen:
+    """An event fixed for writing: its history id, payload and the seq it brings history to."""
+    entry_id: str
+    payload: bytes
+    seq: int
+    final: bool
 
 
 @dataclass
 class InFlight:
-    """A request this worker owns: its stream entry (acked when it finishes) and its counters."""
+    """A request this worker owns, from accept until its final event is in Redis and acked."""
     rid: str
-    entry_id: str
-    entry: RequestEntry
-    progress: Progress = field(default_factory=Progress)
-    prompt_tokens: int = 0
+    entry_id: str                        # request-stream entry (XACKed when the request ends)
+    entry: RequestEntry | None           # None only for an undecodable entry being dead-lettered
+    key_id: str = ""                     # API key id: whose concurrency lease to release at the end
+    gw: str = ""                         # gateway whose inbox gets the live events ("" = history only)
+    epoch: int = 0
+    seq: int = 0                         # tokens put into events so far
+    written_seq: int = 0                 # tokens confirmed in the history stream
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_ms: int = 0                  # when the oldest pending output was produced
+    unsent: list[Frozen] = field(default_factory=list)
+    marker_att: int | None = None        # an attach marker to send ahead of live events
+    engine_done: bool = False            # the engine will produce nothing more for it
+    final_written: bool = False
+    failures: int = 0                    # consecutive refused writes
+    retry_at: float = 0.0
+    given_up: bool = False
+    ttl_set: bool = False                # this run has set the history stream's TTL
+    dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
+
+    @classmethod
+    def start(cls, rid: str, entry_id: str, entry: RequestEntry | None, progress: Progress, *,
+              epoch: int = 0, gw: str = "", key_id: str = "") -> "InFlight":
+        return cls(rid=rid, entry_id=entry_id, entry=entry, key_id=key_id or (entry.key_id if entry else ""),
+                   gw=gw or (entry.gw if entry else ""), epoch=epoch, seq=progress.seq, written_seq=progress.seq)
+
+    # ---- what the engine produced ----
+
+    def add_output(self, out: StepOutput) -> None:
+        if out.token_ids or out.text:
+            if not self.pending_ids and not self.pending_text:
+                self.pending_ms = out.emitted_ms
+            self.pending_ids.extend(out.token_ids)
+            self.pending_text += out.text
+        if out.finished:
+            if out.finish_reason == "error":
+                code = out.error_code or ErrorCode.INTERNAL
+                self.finish_error(code, out.error_message or code.value)
+            else:
+                self.finish_done(out.finish_reason or "stop", out.prompt_tokens, out.completion_tokens)
+
+    def finish_done(self, reason: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        self.freeze()
+        self._freeze_final(encode_done(self.rid, self.seq, reason, prompt_tokens, completion_tokens,
+                                       self.epoch, _now_ms()))
+
+    def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None) -> None:
+        self.freeze()
+        self._freeze_final(encode_err(self.rid, self.seq, code.value, message,
+                                      code in RETRYABLE if retryable is None else retryable,
+                                      self.epoch, _now_ms()))
+
+    # ---- queue ----
+
+    def freeze(self) -> None:
+        """Pending tokens -> one frozen token event. Text that came without a token id cannot
+        get a seq of its own: it waits for the next token (or rides on the final event)."""
+        if not self.pending_ids:
+            return
+        n = len(self.pending_ids)
+        self.seq += n
+        self.unsent.append(Frozen(history_id(self.seq, False),
+                                  encode_tok(self.rid, self.seq, self.pending_ids, self.pending_text, self.epoch,
+                                             self.pending_ms), self.seq, False))
+        self.pending_ids, self.pending_text = [], ""
+
+    def _freeze_final(self, payload: bytes) -> None:
+        if self.engine_done:  # a second final (e.g. a cancel racing the last token): keep the first
+            return
+        if self.pending_text:  # text without a token id (detokenizer flush): keep it, on the final
+            obj = msgpack.unpackb(payload, raw=False)
+            obj["text"] = self.pending_text
+            payload = msgpack.packb(obj, use_bin_type=True)
+            self.pending_text = ""
+        self.engine_done = True
+        self.unsent.append(Frozen(history_id(self.seq, True), payload, self.seq, True))
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self.pending_ids or self.unsent or (self.marker_att is not None and self.gw))
+
+    @property
+    def urgent(self) -> bool:
+        """Written without waiting for the flush tick: the first token, a final, a marker."""
+        return ((self.marker_att is not None and bool(self.gw)) or (self.written_seq == 0 and self.seq == 0 and bool(self.pending_ids))
+                or any(f.final for f in self.unsent))
+
+    def confirm(self, frozen: list[Frozen]) -> None:
+        """These events are in history now: drop them from the queue."""
+        for f in frozen:
+            if self.unsent and self.unsent[0] is f:
+                self.unsent.pop(0)
+                self.written_seq = max(self.written_seq, f.seq)
+                self.final_written = self.final_written or f.final
+        self.failures = 0
+        self.retry_at = 0.0
+
+    def marker(self) -> bytes:
+        """Attach marker: everything <= written_seq is in history; the rest comes live."""
+        return encode_attach_marker(self.rid, self.written_seq, self.epoch, self.marker_att or 0)
 
 
-Event = tuple[str, bytes]  # (stream entry id, payload)
-
-
-def tok_id(seq: int) -> str:
-    return f"{seq}-0"
-
-
-def final_id(seq: int) -> str:
-    return f"{seq}-1"
-
-
-def step_events(req: InFlight, out: StepOutput) -> list[Event]:
-    """Events for one step output of `req` (updates its counters)."""
-    events = []
-    p = req.progress
-    if out.text or out.token_ids:
-        p.seq += 1
-        p.tokens += len(out.token_ids)
-        events.append((tok_id(p.seq), encode_event("tok", p.seq, text=out.text, n=len(out.token_ids), t=p.tokens,
-                                                    ms=out.emitted_ms)))
-    if out.finished:
-        p.finished = True
-        if out.finish_reason == "error":
-            code = out.error_code or ErrorCode.INTERNAL
-            events.append(error_event(p.seq, code, out.error_message or code.value))
-        else:
-            events.append(done_event(p.seq, out.finish_reason, out.prompt_tokens, out.completion_tokens))
-    return events
-
-
-def error_event(seq: int, code: ErrorCode, message: str, retryable: bool | None = None) -> Event:
-    return final_id(seq), encode_event("err", seq, code=code.value, message=message,
-                        retryable=code in RETRYABLE if retryable is None else retryable)
-
-
-def done_event(seq: int, reason: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> Event:
-    return final_id(seq), encode_event("done", seq, finish_reason=reason,
-                        usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens})
-
-
-def progress_from_last(last: dict | None) -> Progress:
-    """Progress from the newest event of an output stream (None: nothing written yet)."""
-    if not last:
-        return Progress()
-    seq = int(last.get("seq") or 0)
-    if last.get("k") in ("done", "err"):
-        return Progress(seq=seq, tokens=int(last.get("t") or 0), finished=True)
-    return Progress(seq=seq, tokens=int(last.get("t") or seq))
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -2,7 +2,7 @@
 
 A request entry stays pending in the consumer group until the worker that runs it acks it with
 its final event. If that worker dies, another one claims the entry (XAUTOCLAIM after
-`claim_idle_ms`) and looks at the request's output stream:
+`claim_idle_ms`) and looks at the request's history stream `p:{r:rid}:out` (its last event's `seq` = tokens delivered):
 
 * nothing written yet: run it normally;
 * a final event is there: the old worker finished but died before the ack; just ack;
@@ -15,7 +15,7 @@ its final event. If that worker dies, another one claims the entry (XAUTOCLAIM a
 
 Entries that cannot be decoded or validated, and entries delivered more than `max_deliveries`
 times (a request that crashes every worker that takes it), go to the dead-letter stream
-`{p}:dead` with the reason and the raw payload, are acked, and get a final `err` event when
+`p:{q}:dead` with the reason and the raw payload, are acked, and get a final `err` event when
 their rid is known — they are never retried forever.
 """
 
@@ -42,10 +42,10 @@ class Decision:
 def decide(entry: RequestEntry, progress: Progress) -> Decision:
     if progress.finished:
         return Decision("ack")
-    if progress.tokens == 0 and progress.seq == 0:
+    if progress.seq == 0:
         return Decision("run")
     if entry.params.deterministic:
-        return Decision("replay", skip_tokens=progress.tokens)
+        return Decision("replay", skip_tokens=progress.seq)
     return Decision("lost")
 
 
@@ -53,16 +53,25 @@ LOST_MESSAGE = ("the worker running this request stopped mid-generation and samp
                 "cannot be continued identically; send it again")
 
 
-def rid_of_raw(raw: bytes | None) -> str | None:
-    """Best-effort request id of an entry that failed validation, to tell its client."""
+def _field_of_raw(raw: bytes | None, name: str) -> str | None:
     if not raw:
         return None
     try:
         obj = msgpack.unpackb(raw, raw=False)
     except Exception:
         return None
-    rid = obj.get("rid") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, str) and rid and len(rid) <= 200 else None
+    value = obj.get(name) if isinstance(obj, dict) else None
+    return value if isinstance(value, str) and value and len(value) <= 200 else None
+
+
+def rid_of_raw(raw: bytes | None) -> str | None:
+    """Best-effort request id of an entry that failed validation, to tell its client."""
+    return _field_of_raw(raw, "rid")
+
+
+def key_id_of_raw(raw: bytes | None) -> str:
+    """Best-effort API key id of such an entry, to release its concurrency lease."""
+    return _field_of_raw(raw, "key_id") or ""
 
 
 def dead_letter_fields(entry_id: str, reason: str, raw: bytes | None, worker_id: str, deliveries: int) -> dict:

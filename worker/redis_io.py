@@ -13,10 +13,9 @@ import logging
 import random
 from typing import Awaitable, Callable, TypeVar
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+from shared.redis_client import connect as shared_connect
 
 log = logging.getLogger("worker.redis")
 
@@ -26,16 +25,10 @@ T = TypeVar("T")
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
 
-def connect(url: str, *, socket_timeout: float | None = 10.0) -> aioredis.Redis:
-    """A client whose single commands survive a dropped connection (3 quick retries)."""
-    return aioredis.from_url(
-        url,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=2.0,
-        health_check_interval=15,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError],
-    )
+def connect(url: str, *, socket_timeout: float | None = 10.0):
+    """A client (single node, or Redis Cluster for `redis+cluster://`) whose single commands
+    survive a dropped connection (3 quick retries); see shared.redis_client."""
+    return shared_connect(url, socket_timeout=socket_timeout)
 
 
 class Backoff:

@@ -1,5 +1,5 @@
-"""The worker's entry in the fleet registry: `{p}:worker:{id}` (hash with capacity and load,
-TTL `worker_ttl_s`) and its heartbeat score in the zset `{p}:workers`.
+"""The worker's entry in the fleet registry: `p:{w:<id>}:info` (hash with capacity and load,
+TTL `worker_ttl_s`) and its heartbeat score in the zset `p:{reg}:workers`.
 
 Gateways read it (shared.backlog.live_workers) for admission control, operators to see
 replicas, and health checks to tell a live worker from a stuck one: the hash only stays
@@ -28,7 +28,8 @@ def registry_fields(*, capacity: int, running: int, waiting: int, in_flight: int
 
 async def heartbeat(redis: aioredis.Redis, keys: Keys, worker_id: str, fields: dict, ttl_s: float) -> None:
     now_ms = int(time.time() * 1000)
-    async with redis.pipeline(transaction=True) as pipe:
+    # two slots ({w:id} and {reg}): one pipeline, no MULTI across them
+    async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(keys.worker(worker_id), mapping=fields)
         pipe.pexpire(keys.worker(worker_id), int(ttl_s * 1000))
         pipe.zadd(keys.workers, {worker_id: now_ms})
@@ -38,7 +39,7 @@ async def heartbeat(redis: aioredis.Redis, keys: Keys, worker_id: str, fields: d
 
 
 async def deregister(redis: aioredis.Redis, keys: Keys, worker_id: str) -> None:
-    async with redis.pipeline(transaction=True) as pipe:
+    async with redis.pipeline(transaction=False) as pipe:
         pipe.zrem(keys.workers, worker_id)
         pipe.delete(keys.worker(worker_id))
         await pipe.execute()

@@ -1,0 +1,141 @@
+"""This gateway's inbox: ONE XREAD BLOCK loop on one key, dispatching live events by request id.
+
+Workers append every live event of the requests this gateway serves to `p:{g:<gw>}:inbox`
+(many requests' events in one entry, a msgpack list), so the read's cost grows with event
+batches, not with the number of open streams: no key list to build, no CLIENT UNBLOCK when a
+stream starts, one decode per batch. The per-request history `p:{r:<rid>}:out` is only read on
+resume (gateway.resume).
+
+Each event goes to the subscriber registered for its `rid` through a synchronous callback that
+only buffers (it never awaits), so one slow socket cannot stall the loop. An event whose epoch
+`ep` is lower than the highest seen for that rid came from a stale writer (a worker whose
+request was claimed away) and is dropped.
+
+The read position is an explicit entry id, kept across reconnects: after a Redis restart (AOF)
+the loop re-reads from where it stopped, so nothing written while it was away is missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.streams import ENTRY_FIELD, as_str, decode_event_list
+
+log = logging.getLogger("gateway.inbox")
+
+EventCallback = Callable[[dict], None]
+
+
+class Subscriber:
+    """The receiving end of one request's live events on this gateway."""
+    __slots__ = ("rid", "callback", "epoch", "closed")
+
+    def __init__(self, rid: str, callback: EventCallback):
+        self.rid = rid
+        self.callback = callback
+        self.epoch = 0          # highest writer epoch seen; lower ones are stale
+        self.closed = False
+
+
+class Inbox:
+    def __init__(self, redis: aioredis.Redis, key: str, *, block_ms: int = 2000, count: int = 256,
+                 on_stale: Callable[[], None] | None = None):
+        self.redis = redis          # a dedicated client: it sits in XREAD BLOCK
+        self.key = key
+        self.block_ms = block_ms
+        self.count = count
+        self._subs: dict[str, Subscriber] = {}
+        self._last_id = f"{int(time.time() * 1000)}-0"
+        self._task: asyncio.Task | None = None
+        self.healthy = False
+        self.events_delivered = 0
+        self.stale_dropped = 0
+        self._on_stale = on_stale
+        self.batches = 0
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._subs)
+
+    def subscribe(self, rid: str, callback: EventCallback) -> Subscriber:
+        """Route rid's live events to `callback` from now on; a previous subscriber (an older
+        socket of a client that resumed on this same replica) is closed and gets nothing more."""
+        old = self._subs.get(rid)
+        sub = Subscriber(rid, callback)
+        if old is not None:
+            old.closed = True
+            sub.epoch = old.epoch
+        self._subs[rid] = sub
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        sub.closed = True
+        if self._subs.get(sub.rid) is sub:
+            del self._subs[sub.rid]
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="inbox-reader")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                # a short first read (and after an error) marks the reader healthy at once
+                block = self.block_ms if self.healthy else 1
+                reply = await self.redis.xread({self.key: self._last_id}, count=self.count, block=block)
+                self.healthy = True
+                backoff = 0.05
+                for _key, entries in reply or ():
+                    for entry_id, fields in entries:
+                        self._last_id = as_str(entry_id)
+                        self._deliver(fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode()))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                self.healthy = False
+                log.warning("inbox reader: %s; retrying in %.2fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            except Exception:  # a bug here must not silently stop every stream
+                log.exception("inbox reader crashed; restarting")
+                await asyncio.sleep(0.1)
+
+    def _deliver(self, raw: bytes | None) -> None:
+        self.batches += 1
+        try:
+            events = decode_event_list(raw) if raw else []
+        except Exception:
+            log.error("undecodable inbox entry on %s", self.key)
+            return
+        for ev in events:
+            if not isinstance(ev, dict):
+                continue
+            sub = self._subs.get(ev.get("rid"))
+            if sub is None or sub.closed:
+                continue
+            ep = ev.get("ep") or 0
+            if ep < sub.epoch:
+                self.stale_dropped += 1
+                if self._on_stale is not None:
+                    self._on_stale()
+                continue
+            sub.epoch = ep
+            self.events_delivered += 1
+            try:
+                sub.callback(ev)
+            except Exception:
+                log.exception("inbox callback failed for %s", sub.rid)

@@ -1,0 +1,111 @@
+"""The output writer's commit against a real redis-server (no worker process): idempotent
+retries, history ahead of live, ack + lease release only after the final, and no loss when
+Redis refuses writes (maxmemory + noeviction)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.config import Settings
+from shared.localredis import LocalRedis
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event_list
+from worker.engine import StepOutput
+from worker.events import InFlight, Progress
+from worker.output_writer import MAX_WRITE_FAILURES, OutputWriter
+from tests.worker_redis import check_seqs, read_events
+
+
+async def pending_request(redis, keys: Keys, rid: str, key_id: str = "k") -> InFlight:
+    await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+    entry = RequestEntry(rid=rid, params=SamplingParams(), prompt="x", key_id=key_id, gw="g")
+    await redis.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
+    resp = await redis.xreadgroup(CONSUMER_GROUP, "w", {keys.requests: ">"}, count=1)
+    await redis.zadd(keys.conc(key_id), {rid: 1})
+    await redis.hset(keys.meta(rid), "owner", "w")
+    return InFlight.start(rid, resp[0][1][0][0].decode(), entry, Progress(), epoch=1)
+
+
+def tok(rid: str, i: int) -> StepOutput:
+    return StepOutput(rid, f" w{i}", [i], False, None, 1, i)
+
+
+async def test_commit_is_idempotent_live_follows_history_and_the_final_acks(redis_client, stream_prefix):
+    keys = Keys(stream_prefix)
+    done: list = []
+    writer = OutputWriter(redis_client, keys, Settings(stream_prefix=stream_prefix), "w", on_done=done.extend)
+    st = await pending_request(redis_client, keys, "r1")
+    for i in range(1, 4):
+        st.add_output(tok("r1", i))
+    st.freeze()
+    # the first attempt landed but its reply was lost: the retry must not duplicate it
+    first = st.unsent[0]
+    await redis_client.xadd(keys.out("r1"), {ENTRY_FIELD: first.payload}, id=first.entry_id)
+    assert await writer.commit([st]) == []
+    assert st.written_seq == 3 and st.unsent == []
+    st.add_output(tok("r1", 4))
+    st.add_output(StepOutput("r1", "", [], True, "length", 1, 4))
+    assert await writer.commit([st]) == [st] and done == [st]
+    events = await read_events(redis_client, keys, "r1", timeout=5)
+    check_seqs(events)
+    assert [(e["k"], e["seq"]) for e in events] == [("tok", 3), ("tok", 4), ("done", 4)]
+    inbox = [decode_event_list(f[ENTRY_FIELD]) for _, f in await redis_client.xrange(keys.inbox("g"))]
+    assert [[(e["k"], e["seq"]) for e in entry] for entry in inbox] == [[("tok", 3)], [("tok", 4), ("done", 4)]]
+    assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+    assert await redis_client.zscore(keys.conc("k"), "r1") is None
+    assert await redis_client.hget(keys.meta("r1"), "owner") is None
+    assert 0 < await redis_client.ttl(keys.out("r1")) <= 600
+
+
+async def test_refused_writes_keep_outputs_then_end_typed_once_redis_accepts_them():
+    server = LocalRedis().start()
+    redis = aioredis.from_url(server.url)
+    keys = Keys("ow")
+    given_up: list = []
+    try:
+        writer = OutputWriter(redis, keys, Settings(stream_prefix="ow"), "w", on_give_up=given_up.append)
+        st = await pending_request(redis, keys, "r2")
+        st.add_output(tok("r2", 1))
+        await writer.commit([st])
+        assert st.written_seq == 1
+        await redis.config_set("maxmemory-policy", "noeviction")
+        await redis.config_set("maxmemory", str(int((await redis.info("memory"))["used_memory"]) // 2))
+        for i in range(2, 2 + MAX_WRITE_FAILURES):
+            st.add_output(tok("r2", i))
+            st.retry_at = 0.0                                    # do not wait out the backoff here
+            assert await writer.commit([st]) == []
+            assert st.written_seq == 1                           # nothing confirmed...
+        assert sum(1 for f in st.unsent if not f.final) == MAX_WRITE_FAILURES   # ...nothing dropped
+        assert given_up == [st] and st.engine_done and st.unsent[-1].final
+        st.add_output(tok("r2", 99))                             # engine output after giving up: ignored
+        await redis.config_set("maxmemory", "0")
+        st.retry_at = 0.0
+        assert await writer.commit([st]) == [st]
+        events = await read_events(redis, keys, "r2", timeout=5)
+        check_seqs(events)
+        assert events[-1]["seq"] == 1 + MAX_WRITE_FAILURES
+        assert events[-1]["k"] == "err" and events[-1]["code"] == "output_write_failed" and events[-1]["retryable"]
+        assert (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await redis.zscore(keys.conc("k"), "r2") is None
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_one_round_trip_carries_many_requests_to_one_inbox_entry(redis_client, stream_prefix, n):
+    keys = Keys(stream_prefix)
+    writer = OutputWriter(redis_client, keys, Settings(stream_prefix=stream_prefix), "w")
+    states = [InFlight.start(f"r{i}", f"{i}-0", None, Progress(), epoch=1, gw="g") for i in range(5)]
+    for st in states:
+        for i in range(1, n + 1):
+            st.add_output(tok(st.rid, i))
+    before = time.monotonic()
+    await writer.commit(states)
+    assert time.monotonic() - before < 5
+    entries = await redis_client.xrange(keys.inbox("g"))
+    assert len(entries) == 1
+    assert sorted(e["rid"] for e in decode_event_list(entries[0][1][ENTRY_FIELD])) == [st.rid for st in states]
+    assert all(st.written_seq == n for st in states)

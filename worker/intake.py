@@ -1,0 +1,269 @@
+"""Taking work in: read new request entries, claim a dead worker's, and keep ours claimed.
+
+Why its own module: ownership of a request entry is decided here and only here.
+
+* intake: XREADGROUP only as many new entries as the engine has free slots (an idle worker
+  elsewhere gets the rest instead of this one hoarding them);
+* claim: XAUTOCLAIM of entries idle for `claim_idle_ms` (their worker died or handed them back),
+  see worker.failover for what happens to a request another worker started;
+* accept: one MULTI on the request's slot {r:rid} sets meta.owner, bumps meta.epoch, reads the
+  cancel flag, the last history event (progress) and meta.gw / meta.att (where live events go;
+  whether someone resumed, so an attach marker goes first);
+* keep-fresh: XCLAIM ... JUSTID of our own pending entries resets their idle time, so a slow
+  but healthy worker's requests are never claimed away; notices requests claimed away anyway
+  (after a long stall) and drops them; polls the cancel flags;
+* poison entries are dead-lettered through the output writer's commit (final error, then
+  dead-letter XADD + XACK in one MULTI on slot {q}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from redis.exceptions import ResponseError
+
+from shared.errors import ErrorCode
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_ATT, META_EPOCH, META_GW, META_KEY, META_OWNER,
+                            RequestEntry, as_str, decode_event)
+from worker import failover
+from worker.engine_thread import Add, Cancel
+from worker.events import InFlight, progress_from_last
+from worker.output_writer import DeadLetter
+from worker.redis_io import with_backoff
+
+if TYPE_CHECKING:
+    from worker.service import WorkerService
+
+log = logging.getLogger("worker.intake")
+
+BLOCK_MS = 1000          # XREAD BLOCK of the intake loop (bounds SIGTERM reaction)
+TRIM_EVERY_S = 10.0
+
+
+async def trim_finished(redis, keys, *, approximate: bool = True) -> str | None:
+    """XTRIM MINID below everything still pending or not yet delivered: only entries whose
+    request finished (acked) are removed. The gateway's MAXLEN is only the hard cap.
+    Returns the MINID used (None when the group does not exist)."""
+    groups = await redis.xinfo_groups(keys.requests)
+    group = next((g for g in groups if as_str(g.get("name")) == CONSUMER_GROUP), None)
+    if group is None:
+        return None
+    summary = await redis.xpending(keys.requests, CONSUMER_GROUP)
+    if summary and summary.get("pending"):
+        minid = as_str(summary["min"])
+    else:
+        ms, _, seq = as_str(group.get("last-delivered-id", "0-0")).partition("-")
+        minid = f"{ms}-{int(seq or 0) + 1}"
+    await redis.xtrim(keys.requests, minid=minid, approximate=approximate)
+    return minid
+
+
+class Intake:
+    def __init__(self, svc: "WorkerService"):
+        self.svc = svc
+        self.keys = svc.keys
+        self.settings = svc.settings
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.svc.redis.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ---- new entries ------------------------------------------------------------------------
+
+    async def intake_loop(self) -> None:
+        svc = self.svc
+        while not svc.stopping:
+            free = svc.free_slots()
+            if free <= 0:
+                svc.capacity_event.clear()
+                if svc.free_slots() <= 0:
+                    await svc.capacity_event.wait()
+                continue
+            try:
+                resp = await with_backoff(
+                    lambda: svc.intake_redis.xreadgroup(CONSUMER_GROUP, svc.worker_id, {self.keys.requests: ">"},
+                                                        count=free, block=BLOCK_MS),
+                    "read requests", lambda: svc.stopping)
+            except asyncio.CancelledError:
+                return
+            except ResponseError as exc:  # NOGROUP: the stream was deleted under us
+                log.warning("xreadgroup failed (%s); recreating the group", exc)
+                await asyncio.sleep(0.2)
+                await with_backoff(self.ensure_group, "create consumer group", lambda: svc.stopping)
+                continue
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    await self.accept(as_str(entry_id), fields, deliveries=1)
+
+    # ---- entries of dead workers ------------------------------------------------------------
+
+    async def claim_loop(self) -> None:
+        svc = self.svc
+        # scanning is cheap (XAUTOCLAIM walks the pending list from 0-0), and a short interval
+        # is what makes a hand-back from a draining worker land elsewhere within a second
+        interval = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
+        last_trim = 0.0
+        while not svc.stopping:
+            try:
+                await asyncio.wait_for(svc.stop_event.wait(), interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                free = svc.free_slots()
+                if free > 0:
+                    await with_backoff(lambda: self.claim_once(free), "claim", lambda: svc.stopping)
+                if time.monotonic() - last_trim > TRIM_EVERY_S:
+                    await with_backoff(lambda: trim_finished(svc.redis, self.keys), "trim", lambda: svc.stopping)
+                    last_trim = time.monotonic()
+            except asyncio.CancelledError:
+                return
+            except ResponseError as exc:
+                log.warning("claim loop: %s", exc)
+
+    async def claim_once(self, count: int) -> None:
+        svc = self.svc
+        _next, entries, deleted = (await svc.redis.xautoclaim(
+            self.keys.requests, CONSUMER_GROUP, svc.worker_id, self.settings.claim_idle_ms,
+            start_id="0-0", count=count))[:3]
+        if deleted:
+            log.warning("pending entries trimmed before anyone finished them: %s", deleted)
+        entries = [(as_str(i), f) for i, f in entries if f]
+        if not entries:
+            return
+        # delivery counts (XAUTOCLAIM has already counted this delivery)
+        pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=entries[0][0],
+                                                 max=entries[-1][0], count=len(entries) + 100,
+                                                 consumername=svc.worker_id)
+        deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        ours = {st.entry_id for st in svc.inflight.values()}
+        for entry_id, fields in entries:
+            if entry_id in ours:
+                continue
+            svc.stats["claimed"] += 1
+            await self.accept(entry_id, fields, deliveries=deliveries.get(entry_id, 2))
+
+    # ---- taking one entry -------------------------------------------------------------------
+
+    async def accept(self, entry_id: str, fields: dict, deliveries: int) -> None:
+        """Take ownership of one delivered entry: validate, claim it in meta, decide, run."""
+        svc = self.svc
+        raw = fields.get(ENTRY_FIELD) if fields else None
+        try:
+            entry = RequestEntry.decode(raw if raw is not None else b"")
+        except ValueError as exc:
+            await self.dead_letter(entry_id, str(exc), raw, deliveries, "invalid")
+            return
+        if deliveries > self.settings.max_deliveries:
+            await self.dead_letter(entry_id, f"delivered {deliveries} times without finishing", raw,
+                                   deliveries, "deliveries", entry=entry)
+            return
+        if entry.rid in svc.inflight:
+            return
+        keys, rid = self.keys, entry.rid
+
+        async def claim():
+            async with svc.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
+                pipe.hset(keys.meta(rid), META_OWNER, svc.worker_id)
+                pipe.hsetnx(keys.meta(rid), META_KEY, entry.key_id)
+                if entry.gw:
+                    pipe.hsetnx(keys.meta(rid), META_GW, entry.gw)
+                pipe.hincrby(keys.meta(rid), META_EPOCH, 1)
+                pipe.hmget(keys.meta(rid), [META_GW, META_ATT])
+                pipe.expire(keys.meta(rid), self.settings.output_ttl_s)
+                pipe.exists(keys.cancel(rid))
+                pipe.xrevrange(keys.out(rid), count=1)
+                return await pipe.execute()
+        *_, epoch, (gw, att), _, cancelled, last = await with_backoff(claim, "claim request")
+        progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), gw=as_str(gw) if gw else "")
+        if att and int(att) > 0 and st.gw:
+            st.marker_att = int(att)
+        decision = failover.decide(entry, progress)
+        if decision.action == "ack":     # finished before its worker died: ack only
+            st.engine_done = st.final_written = True
+            await with_backoff(lambda: svc.redis.hdel(keys.meta(rid), META_OWNER), "release owner")
+        elif cancelled:
+            st.finish_done("cancelled")
+        elif decision.action == "lost":
+            svc.stats["lost"] += 1
+            st.finish_error(ErrorCode.WORKER_LOST, failover.LOST_MESSAGE)
+        if st.engine_done:
+            svc.inflight[rid] = st        # until its final is written (retried if refused)
+            await with_backoff(lambda: svc.writer.commit([st]), "finish request")
+            return
+        if decision.action == "replay":
+            svc.stats["replayed"] += 1
+            log.info("replaying %s from token %d", rid, decision.skip_tokens)
+        svc.inflight[rid] = st
+        svc.thread.submit(Add(entry, skip_tokens=decision.skip_tokens))
+
+    async def dead_letter(self, entry_id: str, reason: str, raw: bytes | None, deliveries: int, kind: str,
+                          entry: RequestEntry | None = None) -> None:
+        svc = self.svc
+        rid = entry.rid if entry else failover.rid_of_raw(raw)
+        svc.stats["dead"] += 1
+        log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
+        fields = failover.dead_letter_fields(entry_id, reason, raw, svc.worker_id, deliveries)
+        if rid is None or rid in svc.inflight:
+            await with_backoff(lambda: svc.writer.commit([], [DeadLetter(entry_id, fields)]), "dead-letter")
+            return
+        # the final event must follow whatever earlier attempts wrote
+        last = await with_backoff(lambda: svc.redis.xrevrange(self.keys.out(rid), count=1), "read progress")
+        progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
+        st = InFlight.start(rid, entry_id, entry, progress, key_id=failover.key_id_of_raw(raw))
+        st.dead_letter = fields
+        if progress.finished:
+            st.engine_done = st.final_written = True
+        else:
+            st.finish_error(failover.DEAD_CODE[kind], f"request rejected by the worker: {reason}", retryable=False)
+        svc.inflight[rid] = st
+        await with_backoff(lambda: svc.writer.commit([st]), "dead-letter")
+
+    # ---- keeping our entries ----------------------------------------------------------------
+
+    async def keep_fresh_loop(self) -> None:
+        svc = self.svc
+        interval = max(0.1, min(self.settings.worker_heartbeat_s, self.settings.claim_idle_ms / 3000))
+        while True:
+            await asyncio.sleep(interval)
+            if svc.inflight:
+                await with_backoff(self.keep_fresh_once, "keep fresh")
+
+    async def keep_fresh_once(self) -> None:
+        svc = self.svc
+        states = list(svc.inflight.values())
+        if not states:
+            return
+        mine = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
+                                              count=len(states) + svc.capacity + 100,
+                                              consumername=svc.worker_id)
+        pending = {as_str(p["message_id"]) for p in mine}
+        kept = []
+        for st in states:
+            if st.entry_id in pending:
+                kept.append(st)
+            elif svc.inflight.get(st.rid) is st and not st.final_written:
+                # claimed by another worker (we stalled past claim_idle_ms): it owns it now
+                log.warning("request %s was claimed by another worker; dropping it here", st.rid)
+                del svc.inflight[st.rid]
+                svc.thread.submit(Cancel(st.rid, silent=True))
+                svc.capacity_event.set()
+        if not kept:
+            return
+        async with svc.redis.pipeline(transaction=False) as pipe:
+            pipe.xclaim(self.keys.requests, CONSUMER_GROUP, svc.worker_id, 0, [st.entry_id for st in kept],
+                        justid=True)
+            for st in kept:
+                pipe.exists(self.keys.cancel(st.rid))
+                pipe.expire(self.keys.meta(st.rid), self.settings.output_ttl_s)
+            results = await pipe.execute()
+        for i, st in enumerate(kept):
+            if results[1 + 2 * i] and svc.inflight.get(st.rid) is st and not st.engine_done:
+                svc.thread.submit(Cancel(st.rid))

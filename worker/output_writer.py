@@ -1,0 +1,298 @@
+"""Everything a worker writes about a request's output, and the ONE commit that ends a request.
+
+Why one module: "events, then ack, then lease, then owner" used to be written three times
+(normal finish, finish-before-run, dead letter), each a little different. Here `commit()` is the
+only place that writes output, and the only place that acknowledges a request.
+
+One `commit(states)` = at most two round trips, whatever the number of requests:
+1. one pipeline: per request ONE history write on slot {r:rid}: a plain XADD for a single
+   token event (+ EXPIRE on this run's first write), else the `HISTORY_APPEND` script (its
+   frozen events in order, idempotent by id; EXPIRE at the final, which also removes `owner`
+   from meta); then per gateway ONE XADD to its inbox whose `d` is
+   the list of all its events of this commit (attach markers first). History is ahead of live
+   in the same round trip, so an event is never live without being (or about to be) in history;
+   a retry re-sends the live copy too, and gateways de-duplicate by seq.
+2. only when finals were confirmed: one MULTI on slot {q} with XACK + ZREM of the request's
+   concurrency lease (`p:{q}:conc:<key_id>`) for each of them (and dead-letter XADDs), so the
+   lease is released exactly when the request ends. It runs after round trip 1 because an ack
+   must never precede the final event in history, and the two are in different slots.
+
+Failures: a transient error (connection lost) raises, nothing is dropped, the caller retries
+with backoff. A request whose write Redis refuses (e.g. OOM under `maxmemory` + `noeviction`)
+keeps its events queued and is retried with backoff; after `MAX_WRITE_FAILURES` refusals it
+is given up: the engine stops it, and a final retryable `output_write_failed` error is queued
+behind its tokens, so when Redis accepts writes again the client gets every token and a typed
+end, and the request is acked and its lease released. The writer loop (`run`) coalesces: a
+request's new tokens are written at most every WORKER_FLUSH_MS (its first token, its final and
+attach markers at once); WORKER_FLUSH_MS=0 writes after every engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Callable, Iterable
+
+from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
+
+from shared.config import Settings
+from shared.errors import ErrorCode
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_attach_marker, pack_event_list
+from worker.engine import StepOutput
+from worker.events import InFlight
+from worker.failover import DEAD_MAXLEN
+from worker.redis_io import TRANSIENT
+
+log = logging.getLogger("worker.output")
+
+MAX_WRITE_FAILURES = 8           # refused writes (with backoff, ~5 s) before a request is given up
+INBOX_MAXLEN = 10000             # entries; each holds one flush's events for one gateway
+INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
+
+# KEYS: out, meta. ARGV: maxlen, ttl_s, worker_id, final(0/1), then id1, payload1, id2, ...
+# Used when a request has several events to write at once (tokens + final, or a backlog after
+# refused writes): appends them in order; an id already written (a retry whose reply was lost)
+# is skipped, any other error stops at once (a later event must never land before an earlier
+# one). One token event alone goes as a plain XADD (fewer Redis commands per token).
+HISTORY_APPEND = """
+local created = redis.call('TTL', KEYS[1]) < 0
+local added = 0
+for i = 5, #ARGV, 2 do
+  local r = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[i], 'd', ARGV[i + 1])
+  if type(r) == 'table' and r.err then
+    if not string.find(r.err, 'equal or smaller', 1, true) then return redis.error_reply(r.err) end
+  else
+    added = added + 1
+  end
+end
+if created or ARGV[4] == '1' then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+if ARGV[4] == '1' and redis.call('HGET', KEYS[2], 'owner') == ARGV[3] then
+  redis.call('HDEL', KEYS[2], 'owner')
+end
+return added
+"""
+
+
+def already_written(exc: Exception) -> bool:
+    """XADD with an id at or below the stream's last one: a retried write whose first reply
+    was lost (Redis restarting) already landed. That is success."""
+    return "equal or smaller" in str(exc)
+
+
+class DeadLetter:
+    """An entry that goes to `p:{q}:dead` in the same MULTI as its ack."""
+
+    def __init__(self, entry_id: str, fields: dict):
+        self.entry_id = entry_id
+        self.fields = fields
+
+
+class OutputWriter:
+    def __init__(self, redis, keys: Keys, settings: Settings, worker_id: str, *,
+                 on_give_up: Callable[[InFlight], None] = lambda st: None,
+                 on_done: Callable[[list[InFlight]], None] = lambda done: None):
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.worker_id = worker_id
+        self.on_give_up = on_give_up
+        self.on_done = on_done                # called with the requests a commit completed
+        self.lock = asyncio.Lock()            # one commit at a time: events of a request stay in order
+        self._sha: str | None = None
+        self._inbox_ttl_at: dict[str, float] = {}
+        self.stats = {"commits": 0, "events": 0, "refused": 0, "given_up": 0}
+
+    # ---- the commit -------------------------------------------------------------------------
+
+    async def commit(self, states: Iterable[InFlight], dead_letters: Iterable[DeadLetter] = ()) -> list[InFlight]:
+        """Write the queued events of `states`; ack + release the lease of those whose final is
+        now in history (and dead-letter `dead_letters` with their ack). Returns the requests
+        that are completely done. Raises transient Redis errors (nothing is lost)."""
+        async with self.lock:
+            return await self._commit(list(states), list(dead_letters))
+
+    async def _commit(self, states: list[InFlight], dead_letters: list[DeadLetter]) -> list[InFlight]:
+        now = time.monotonic()
+        writing: list[tuple[InFlight, list]] = []
+        live: dict[str, list[bytes]] = {}
+        marked: list[InFlight] = []
+        for st in states:
+            st.freeze()
+            writable = bool(st.unsent) and st.retry_at <= now
+            if writable:
+                writing.append((st, list(st.unsent)))
+            if st.gw and (st.marker_att is not None or writable):
+                events = live.setdefault(st.gw, [])
+                if st.marker_att is not None:
+                    events.append(st.marker())
+                    marked.append(st)
+                if writable:
+                    events.extend(f.payload for f in st.unsent)
+        if writing or live:
+            results = await self._write_events(writing, live)
+            for (st, frozen), result in zip(writing, results):
+                if isinstance(result, Exception):
+                    self._refused(st, result, now)
+                else:
+                    st.confirm(frozen)
+                    self.stats["events"] += len(frozen)
+            for st in marked:
+                st.marker_att = None
+        done = [st for st in states if st.final_written]
+        if done or dead_letters:
+            await self._ack(done, dead_letters)
+            if done:
+                self.on_done(done)
+        self.stats["commits"] += 1
+        return done
+
+    async def _write_events(self, writing: list, live: dict[str, list[bytes]]) -> list:
+        s = self.settings
+        if self._sha is None:
+            self._sha = await self.redis.script_load(HISTORY_APPEND)
+        now = time.monotonic()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for st, frozen in writing:
+                out = self.keys.out(st.rid)
+                if len(frozen) == 1 and not frozen[0].final:
+                    # the common case, one token event: a plain XADD (one command per event);
+                    # EXPIRE with the first write of this run (the stream may be new)
+                    pipe.xadd(out, {ENTRY_FIELD: frozen[0].payload}, id=frozen[0].entry_id,
+                              maxlen=s.output_maxlen, approximate=True)
+                    if not st.ttl_set:
+                        pipe.expire(out, s.output_ttl_s)
+                    continue
+                args = [s.output_maxlen, s.output_ttl_s, self.worker_id, int(any(f.final for f in frozen))]
+                for f in frozen:
+                    args += [f.entry_id, f.payload]
+                # a raw EVALSHA: redis-py's cluster pipeline refuses its evalsha() helper
+                pipe.execute_command("EVALSHA", self._sha, 2, out, self.keys.meta(st.rid), *args)
+            slots = [2 if len(fz) == 1 and not fz[0].final and not st.ttl_set else 1 for st, fz in writing]
+            for gw, payloads in live.items():
+                inbox = self.keys.inbox(gw)
+                pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)
+                if now - self._inbox_ttl_at.get(gw, 0.0) > INBOX_TTL_REFRESH_S:
+                    pipe.expire(inbox, s.output_ttl_s)
+                    self._inbox_ttl_at[gw] = now
+            results = await pipe.execute(raise_on_error=False)
+        history, i = [], 0
+        for (st, _frozen), n in zip(writing, slots):   # one result per request (its XADD or script)
+            replies = results[i:i + n]
+            i += n
+            bad = next((r for r in replies if isinstance(r, Exception) and not already_written(r)), None)
+            history.append(bad if bad is not None else True)
+            if bad is None and n == 2:
+                st.ttl_set = True
+        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted: load it again, retry
+            self._sha = None
+            raise RedisConnectionError("the history script is gone from Redis (restarted); reloading it")
+        for r in results:
+            if isinstance(r, TRANSIENT):
+                raise r
+        for r in results[i:]:
+            if isinstance(r, Exception):  # a live copy lost: the history has it, resume reads it
+                log.warning("inbox write refused: %s", r)
+        return history
+
+    def _refused(self, st: InFlight, exc: Exception, now: float) -> None:
+        st.failures += 1
+        self.stats["refused"] += 1
+        st.retry_at = now + random.uniform(0.5, 1.0) * min(1.0, 0.05 * 2 ** st.failures)
+        if st.failures in (1, MAX_WRITE_FAILURES) or st.failures % 20 == 0:
+            log.warning("redis refused the output of %s (%d times): %s", st.rid, st.failures, exc)
+        if st.failures >= MAX_WRITE_FAILURES and not st.given_up:
+            st.given_up = True
+            self.stats["given_up"] += 1
+            log.error("giving up on %s after %d refused writes: it ends with output_write_failed", st.rid,
+                      st.failures)
+            self.on_give_up(st)
+            st.finish_error(ErrorCode.OUTPUT_WRITE_FAILED,
+                            f"Redis refused this request's output {st.failures} times ({exc}); send it again",
+                            retryable=True)
+
+    async def _ack(self, done: list[InFlight], dead_letters: list[DeadLetter]) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:   # slot {q} only
+            for fields in [dl.fields for dl in dead_letters] + [st.dead_letter for st in done if st.dead_letter]:
+                pipe.xadd(self.keys.dead, fields, maxlen=DEAD_MAXLEN, approximate=True)
+            for st in done:
+                if st.key_id:
+                    pipe.zrem(self.keys.conc(st.key_id), st.rid)
+            ids = [st.entry_id for st in done] + [dl.entry_id for dl in dead_letters]
+            pipe.xack(self.keys.requests, CONSUMER_GROUP, *ids)
+            await pipe.execute()
+
+    # ---- the flush loop ---------------------------------------------------------------------
+
+    async def run(self, take_outputs: Callable[[], list[StepOutput]], states: dict[str, InFlight],
+                  wake: asyncio.Event) -> None:
+        """Coalescing: step outputs are taken as they come (cheap, in memory) and written on a
+        common tick every WORKER_FLUSH_MS, so all requests share one round trip per tick; first
+        tokens, finals and markers do not wait for the tick. Transient errors propagate (the
+        caller retries with backoff); nothing is taken out of `states` before it is written."""
+        flush_s = self.settings.worker_flush_ms / 1000
+        next_tick = time.monotonic() + flush_s
+        while True:
+            now = time.monotonic()
+            if not any(st.has_news or st.final_written for st in states.values()):
+                timeout = 1.0                                   # idle: wait for the engine
+            elif flush_s == 0:                                  # per step; refused writes back off
+                retry = [st.retry_at for st in states.values() if st.unsent]
+                timeout = max(0.001, min(retry) - now) if retry and not wake.is_set() else 0.0
+            else:
+                timeout = next_tick - now
+            if timeout > 0:
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            wake.clear()
+            if queued_outputs(states) < self.settings.output_buffer_max:
+                route(take_outputs(), states)   # else leave them: the engine pauses on a full buffer
+            now = time.monotonic()
+            if now >= next_tick:
+                batch = [st for st in states.values() if st.has_news or st.final_written]
+                next_tick = now + flush_s
+            else:
+                batch = [st for st in states.values() if st.urgent]
+            if batch:
+                await self.commit(batch)
+
+    async def flush_all(self, take_outputs: Callable[[], list[StepOutput]], states: dict[str, InFlight]) -> None:
+        """Write everything now (drain, hand back)."""
+        route(take_outputs(), states)
+        await self.commit(list(states.values()))
+
+    # ---- attach (resume on another gateway) -------------------------------------------------
+
+    async def attach(self, st: InFlight, gw: str, att: int) -> None:
+        """Route rid's live events to `gw` from now on: flush what is queued, then the marker
+        "everything <= S is in history" goes to the new inbox ahead of later live events."""
+        st.gw = gw
+        st.marker_att = att
+        await self.commit([st])
+
+    async def attach_unknown(self, rid: str, gw: str, att: int) -> None:
+        """This worker does not hold rid: tell the gateway to read the history to its end."""
+        await self.redis.xadd(self.keys.inbox(gw), {ENTRY_FIELD: pack_event_list([encode_attach_marker(rid, None, 0, att)])},
+                              maxlen=INBOX_MAXLEN, approximate=True)
+
+
+
+def queued_outputs(states: dict[str, InFlight]) -> int:
+    """Tokens and events waiting to be written (bounded like the engine's output buffer, so a
+    long Redis outage pauses the engine instead of growing memory)."""
+    return sum(len(st.pending_ids) + len(st.unsent) for st in states.values())
+
+
+def route(outputs: list[StepOutput], states: dict[str, InFlight]) -> None:
+    """Step outputs -> their request's queue. Outputs of requests no longer here (handed back,
+    claimed away) or whose engine run already ended (given up) are dropped."""
+    for out in outputs:
+        st = states.get(out.rid)
+        if st is not None and not st.engine_done:
+            st.add_output(out)
