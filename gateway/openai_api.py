@@ -406,7 +406,7 @@ class RunRequest(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hub, req = self.hub, self.req
         out = OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
-                             include_usage=self.include_usage, role_chunk=req.skip_seq == 0)
+                             include_usage=self.include_usage, role_chunk=req.seq == 0)
         sender = Sender(out, self.requests, self.wake, hub.settings, hub.metrics)
         conn = _HttpConnection(sender, self.requests)
         hub.connections.add(conn)
@@ -529,12 +529,13 @@ async def resume_stream(request: Request) -> Response:
         if not oai_id.startswith((CHAT_PREFIX, TEXT_PREFIX)):
             raise APIError(404, f"no stream {oai_id!r}", code=ErrorCode.RESUME_EXPIRED.value)
         raw_seq = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
-        try:
-            last_seq = int(raw_seq)
-            msg = Resume(id=oai_id, last_seq=last_seq, request_id=oai_id.split("-", 1)[1])
-        except (ValueError, ValidationError):
+        if not raw_seq.isdigit():
             raise APIError(400, f"Last-Event-ID {raw_seq!r} is not a seq (a non-negative integer)",
-                           param="Last-Event-ID") from None
+                           param="Last-Event-ID")
+        try:
+            msg = Resume(id=oai_id, last_seq=int(raw_seq), request_id=oai_id.split("-", 1)[1])
+        except ValidationError:   # not even shaped like a request id: the same answer as an unknown one
+            raise APIError.from_code(ErrorCode.RESUME_EXPIRED, f"no retained output for {oai_id!r}") from None
         wake = asyncio.Event()
         requests = RequestTable(hub, wake)
         try:
