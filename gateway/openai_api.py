@@ -39,7 +39,7 @@ from gateway.hub import Hub
 from gateway.new_request import start_request
 from gateway.requests import RequestState, RequestTable
 from gateway.resume import reattach
-from gateway.sender import Sender
+from gateway.sender import Sender, WakeEvent
 from gateway.socket_io import SHUTDOWN_REASON
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Accepted, Chunk, Done, Error, Heartbeat, Resume, parse_client_message
@@ -372,12 +372,19 @@ def usage_of(done: Done) -> dict:
 
 
 class _HttpConnection:
-    """What the hub needs of a connection (drain, slow-consumer watchdog, lease refresh)."""
+    """What the hub needs of a connection (drain, heartbeat wheel, slow-consumer and stall
+    watchdogs, lease refresh), for one HTTP response."""
 
-    def __init__(self, sender: Sender, requests: RequestTable):
-        self.sender = sender
+    def __init__(self, hub: Hub, out: "OpenAIResponse", requests: RequestTable, wake: WakeEvent):
+        self.hub = hub
+        self.socket = out
         self.requests = requests
+        self.sender = Sender(out, requests, wake, hub.settings, hub.metrics, on_running=self._sender_running)
+        self.closed = False
         self.drained = False
+
+    def _sender_running(self, running: bool) -> None:
+        (self.hub.busy.add if running else self.hub.busy.discard)(self)
 
     def shut_down(self) -> None:
         self.drained = True
@@ -397,7 +404,7 @@ class _HttpConnection:
 class RunRequest(Response):
     """Drives one accepted request to its end over HTTP, with the WebSocket path's Sender."""
 
-    def __init__(self, hub: Hub, requests: RequestTable, wake: asyncio.Event, req: RequestState, *, model: str,
+    def __init__(self, hub: Hub, requests: RequestTable, wake: WakeEvent, req: RequestState, *, model: str,
                  stream: bool, include_usage: bool, resumable: bool):
         self.hub, self.requests, self.wake, self.req = hub, requests, wake, req
         self.model, self.stream, self.include_usage, self.resumable = model, stream, include_usage, resumable
@@ -407,9 +414,11 @@ class RunRequest(Response):
         hub, req = self.hub, self.req
         out = OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
                              include_usage=self.include_usage, role_chunk=req.seq == 0)
-        sender = Sender(out, self.requests, self.wake, hub.settings, hub.metrics)
-        conn = _HttpConnection(sender, self.requests)
+        conn = _HttpConnection(hub, out, self.requests, self.wake)
+        sender = conn.sender
         hub.connections.add(conn)
+        if self.stream:      # keep-alive comments on a quiet stream, from the process-wide wheel
+            hub.heartbeats.add(conn, out.last_send + hub.settings.heartbeat_s)
         disconnect = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         ended = asyncio.get_running_loop().create_task(out.ended.wait())
         gone = False
@@ -420,15 +429,17 @@ class RunRequest(Response):
                     (b"x-accel-buffering", b"no"), (b"x-request-id", req.rid.encode())]})
             sender.queue(Accepted(id=req.client_id, request_id=req.rid))
             req.accepted = True      # (a resumed request's history is buffered already, flushed from here)
-            sender.start()
+            self.wake.set()          # starts the sender task
             await asyncio.wait([disconnect, ended], return_when=asyncio.FIRST_COMPLETED)
             gone = disconnect.done() or out.broken
             if gone and out.done is None and not conn.drained and not self.resumable:
                 await self._cancel()             # nobody is listening and nobody will come back
         finally:
+            conn.closed = True
             disconnect.cancel()
             ended.cancel()
             await sender.stop()
+            hub.busy.discard(conn)
             await self.requests.release_all()    # a resumable or drained request is parked for a resume
             hub.connections.discard(conn)
         if gone:
@@ -494,7 +505,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             msg = parse_client_message({"type": "generate", "id": cid, **fields})
         except ProtocolError as exc:
             raise APIError(400, exc.message, code=exc.code.value) from None
-        wake = asyncio.Event()
+        wake = WakeEvent()
         requests = RequestTable(hub, wake)
         try:
             req = await start_request(hub, requests, key_id, msg, rid=rid)
@@ -536,7 +547,7 @@ async def resume_stream(request: Request) -> Response:
             msg = Resume(id=oai_id, last_seq=int(raw_seq), request_id=oai_id.split("-", 1)[1])
         except ValidationError:   # not even shaped like a request id: the same answer as an unknown one
             raise APIError.from_code(ErrorCode.RESUME_EXPIRED, f"no retained output for {oai_id!r}") from None
-        wake = asyncio.Event()
+        wake = WakeEvent()
         requests = RequestTable(hub, wake)
         try:
             req = await reattach(hub, requests, key_id, msg, accept=lambda r: None)   # accepted by RunRequest

@@ -17,8 +17,8 @@ from shared.backlog import live_workers
 from shared.localredis import LocalRedis
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, encode_tok, history_id
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
-from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, read_events, read_inbox, submit,
-                                text_of, wait_for_tokens)
+from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, pending_after_acks, read_events,
+                                read_inbox, submit, text_of, wait_for_tokens)
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
@@ -84,7 +84,7 @@ async def test_sigkill_mid_stream_replays_greedy_and_loses_random(redis_server, 
             # the claiming worker stamps the next epoch (meta.epoch bumped on claim)
             assert {e["ep"] for e in events} == {1, 2} and events[-1]["ep"] == 2
         assert survivor.alive()
-        assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(redis_client, keys) == 0
         # the registry no longer lists the dead worker (silent > WORKER_TTL_S), only the survivor
         await asyncio.sleep(max(0.0, killed_at + 2.5 - time.monotonic()))
         assert [w.worker_id for w in await live_workers(redis_client, keys, worker_ttl_s=2)] == \
@@ -148,7 +148,7 @@ async def test_redis_restart_mid_stream_loses_no_token(tiny_model_dir, tmp_path)
         assert "redis back after" in proc.log()
         ref = await submit(client, keys, prompt=PROMPT, max_tokens=600, temperature=0.0)
         assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
-        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(client, keys) == 0
         assert proc.alive()
     finally:
         proc.stop()
@@ -183,7 +183,7 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
             await asyncio.sleep(0.05)
         dead = await redis_client.xrange(keys.dead)
         assert len(dead) == 1 and b"delivered 10 times" in dead[0][1][b"reason"]
-        assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(redis_client, keys) == 0
         ok = await submit(redis_client, keys, max_tokens=5)
         assert (await read_events(redis_client, keys, ok))[-1]["k"] == "done"
     finally:
@@ -228,10 +228,7 @@ async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(
         assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
         live, _ = await read_inbox(client, keys, gw, {rid}, timeout=10)
         assert [e["seq"] for e in dedup_live(live[rid])] == [e["seq"] for e in events]
-        deadline = time.monotonic() + 10
-        while (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(client, keys) == 0
         assert await client.zscore(keys.conc("k"), rid) is None
         assert await owner_of(client, keys, rid) is None
         assert proc.alive()
