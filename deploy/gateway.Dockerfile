@@ -25,6 +25,8 @@ WORKDIR /app
 # Run from the source tree (static files of the browser page live next to the code).
 COPY shared ./shared
 COPY gateway ./gateway
+# the JS client SDK, which the browser page imports from /clients/js/
+COPY clients/js ./clients/js
 COPY deploy/healthcheck.py ./healthcheck.py
 USER 10001:10001
 EXPOSE 8000

@@ -16,6 +16,7 @@ from starlette.websockets import WebSocket
 
 from gateway.auth import bearer_token
 from gateway.connection import Connection
+from gateway import openai_api
 from gateway.hub import Hub
 from gateway.settings import GatewaySettings
 from gateway.socket_io import (
@@ -25,6 +26,8 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, error_message
 
 STATIC_DIR = Path(__file__).parent / "static"
+# The JS client SDK lives where its users look for it (clients/js); the page imports it from here.
+CLIENTS_JS_DIR = Path(__file__).resolve().parent.parent / "clients" / "js"
 
 
 async def stream(ws: WebSocket) -> None:
@@ -108,11 +111,13 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
     app = Starlette(
         routes=[
             WebSocketRoute("/v1/stream", stream),
+            *openai_api.ROUTES,
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/metrics", metrics),
             Route("/", index),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+            Mount("/clients/js", StaticFiles(directory=CLIENTS_JS_DIR, check_dir=False), name="clients-js"),
         ],
         lifespan=lifespan,
         middleware=[Middleware(ExposeTransport)],

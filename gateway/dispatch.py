@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import secrets
 
 from redis.exceptions import RedisError
 
 from gateway.hub import Hub
+from gateway.new_request import start_request
 from gateway.requests import RequestState, RequestTable
 from gateway.resume import ResumeBudget, resume
 from gateway.sender import Sender
@@ -25,7 +25,6 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import (
     Accepted, Auth, Cancel, Generate, Ping, Pong, Resume, decode_frame, error_message, parse_client_message,
 )
-from shared.streams import RequestEntry, SamplingParams
 
 log = logging.getLogger("gateway.connection")
 
@@ -142,43 +141,8 @@ class MessageHandler:
         req.accepted = True
 
     async def _generate(self, msg: Generate) -> None:
-        s, hub, cid = self.s, self.hub, msg.id
-        self.check_new_id(cid)
-        if msg.prompt_chars() > s.max_prompt_chars:
-            raise ProtocolError(ErrorCode.PROMPT_TOO_LARGE,
-                                f"prompt of {msg.prompt_chars()} characters exceeds {s.max_prompt_chars}", cid)
-        max_tokens = msg.max_tokens if msg.max_tokens is not None else min(s.default_max_tokens, s.max_tokens_cap)
-        if max_tokens > s.max_tokens_cap:
-            raise ProtocolError(ErrorCode.MAX_TOKENS_TOO_LARGE,
-                                f"max_tokens {max_tokens} exceeds the server cap of {s.max_tokens_cap}", cid)
-        if len(msg.stop) > s.max_stop_strings:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"at most {s.max_stop_strings} stop strings", cid)
-        try:
-            await hub.admission.admit()          # cached: no round trip on most requests
-        except ProtocolError as exc:
-            exc.request_id = cid
-            raise
-        rid = secrets.token_hex(16)          # 128 random bits: the secret a `resume` must present
-        req = self.requests.open(cid, rid, self.key_id)     # subscribed before it is queued
-        entry = RequestEntry(
-            rid=rid,
-            params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop)),
-            prompt=msg.prompt,
-            messages=[m.model_dump() for m in msg.messages] if msg.messages is not None else None,
-            priority=msg.priority, created_ms=int(time.time() * 1000), key_id=self.key_id, gw=hub.gw_id,
-        )
-        try:
-            await hub.submitter.submit(entry)    # rate limit + concurrency lease + queue: one round trip
-        except ProtocolError as exc:
-            self.requests.drop(req)
-            exc.request_id = cid
-            raise
-        except (RedisError, OSError):
-            self.requests.drop(req)
-            raise
-        req.slot_held = True
-        self.accept(req)
+        self.check_new_id(msg.id)
+        self.accept(await start_request(self.hub, self.requests, self.key_id, msg))
 
     async def _cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.id)

@@ -1,4 +1,6 @@
-"""`resume`: re-attach a request started on an earlier socket (any replica) to this one, exactly.
+"""`resume`: re-attach a request started on an earlier connection (any replica) to this one,
+exactly. A WebSocket `resume` and an SSE reconnect with `Last-Event-ID` (openai_api.py) both
+come here (`reattach`).
 
 Authorization and the attach both live here, so what a resume may see is decided in one place:
 the request is named by its server-issued `request_id` (128-bit random, required), and the API
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from redis.exceptions import RedisError
 
@@ -36,6 +38,7 @@ from shared.streams import META_KEY
 
 if TYPE_CHECKING:
     from gateway.dispatch import MessageHandler
+    from gateway.hub import Hub
     from gateway.requests import RequestState, RequestTable
 
 log = logging.getLogger("gateway.resume")
@@ -67,25 +70,33 @@ class ResumeBudget:
 
 
 async def resume(handler: MessageHandler, msg: Resume) -> None:
-    cid, hub = msg.id, handler.hub
-    handler.resume_budget.take(cid)
-    handler.check_new_id(cid)
+    handler.resume_budget.take(msg.id)
+    handler.check_new_id(msg.id)
+    await reattach(handler.hub, handler.requests, handler.key_id, msg, handler.accept)
+
+
+async def reattach(hub: Hub, requests: RequestTable, key_id: str, msg: Resume,
+                   accept: Callable[[RequestState], None]) -> RequestState:
+    """Open `msg.id` in `requests` again and join its history after `msg.last_seq` with live
+    output; `accept` tells the client (transport-specific) before the history is fed."""
+    cid = msg.id
     rid = msg.request_id      # required by the schema: the 128-bit secret from `accepted`
     meta = await hub.submitter.lookup(rid)
-    if meta is None or not may_resume(meta.get(META_KEY), handler.key_id):
+    if meta is None or not may_resume(meta.get(META_KEY), key_id):
         # the same answer whether the id is unknown or another key's: no hint that it exists
         raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
-    req = handler.requests.open(cid, rid, handler.key_id, skip_seq=msg.last_seq, resumed=True)
+    req = requests.open(cid, rid, key_id, skip_seq=msg.last_seq, resumed=True)
     try:
         req.att, owner, _ = await hub.submitter.attach(rid)
     except (RedisError, OSError):
-        handler.requests.drop(req)
+        requests.drop(req)
         raise
     req.slot_held = True
-    handler.accept(req)
+    accept(req)
     if owner is None:
-        handler.requests.catch_up(req)       # nobody runs it now: the history is all there is so far
-    _schedule_retry(handler.requests, req)
+        requests.catch_up(req)       # nobody runs it now: the history is all there is so far
+    _schedule_retry(requests, req)
+    return req
 
 
 def _schedule_retry(requests: RequestTable, req: RequestState) -> None:

@@ -21,6 +21,8 @@ class GatewaySettings(Settings):
     cancel_fallback_s: float = Field(5.0, description="if the worker has not confirmed a cancel after this long, "
                                                       "the gateway finishes the request itself")
     sweep_interval_s: float = Field(0.5, description="how often orphaned requests past their grace are looked for")
+    served_model_name: str = Field("SmolLM2-135M-Instruct",
+                                   description="the model name of the OpenAI-compatible API (`model`, /v1/models)")
     send_queue_max_bytes: int = Field(64 * 1024, description="bytes of control frames (accepted, error, pong) "
                                                              "queued per socket before the client is too slow")
     max_sockets_per_key: int = Field(0, description="open sockets one API key may hold on this replica "

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from shared.localredis import LocalRedis
+
+# the Python client SDK is imported as its users import it (`import llm_stream_client`), from
+# the tree rather than an install, so the tests always run the SDK of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
 
 
 @pytest.fixture(scope="session")

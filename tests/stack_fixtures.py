@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -136,6 +137,18 @@ def start_gateway(redis_url: str, prefix: str, log_dir: Path, *, port: int | Non
         proc.stop(grace=2)
         raise
     return proc, base
+
+
+@contextlib.contextmanager
+def prefix_with_worker(redis_url: str, model_dir: str | os.PathLike, log_dir: Path, *, name: str,
+                       env: dict | None = None) -> Iterator[str]:
+    """A fresh key prefix served by one worker (a module's own stack); yields the prefix."""
+    prefix = f"{name.replace('-', '')}{uuid.uuid4().hex[:8]}"
+    proc = start_worker(redis_url, prefix, model_dir, log_dir, name=name, env=env)
+    try:
+        yield prefix
+    finally:
+        proc.stop()
 
 
 @contextlib.contextmanager

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import uuid
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.settings import GatewaySettings
-from tests.stack_fixtures import gateway_in_process, start_worker
+from shared.localredis import free_port
+from tests.stack_fixtures import Proc, gateway_in_process, prefix_with_worker, start_gateway, wait_http_ok
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -21,10 +30,9 @@ pytestmark = [pytest.mark.browser,
 
 @pytest.fixture(scope="module")
 def browser_stack(redis_server, tiny_model_dir, tmp_path_factory):
-    prefix = f"br{uuid.uuid4().hex[:8]}"
-    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"), name="w-browser")
-    yield prefix
-    proc.stop()
+    logs = tmp_path_factory.mktemp("logs")
+    with prefix_with_worker(redis_server.url, tiny_model_dir, logs, name="w-browser") as prefix:
+        yield prefix
 
 
 async def test_chat_page_streams_shows_ttft_and_stop_cancels(redis_server, browser_stack, tmp_path):
@@ -61,3 +69,78 @@ async def test_chat_page_streams_shows_ttft_and_stop_cancels(redis_server, brows
                 await page.screenshot(path=os.path.join(os.environ["BROWSER_SCREENSHOT_DIR"], "chat.png"))
         finally:
             await browser.close()
+
+
+@contextlib.contextmanager
+def two_gateways_behind_nginx(redis_url: str, prefix: str, run_dir: Path):
+    """Two gateway processes and nginx (the deploy/nginx config, as scripts/stack.py runs it)."""
+    from stack import nginx_binary, nginx_config
+    binary = nginx_binary()
+    if binary is None:
+        pytest.skip("nginx not installed (scripts/setup.sh --proxy installs nginx-light)")
+    env = {"RESUME_GRACE_S": 10, "HEARTBEAT_S": 5}
+    gateways = [start_gateway(redis_url, prefix, run_dir, name=f"gw-{i}", env=env) for i in range(2)]
+    port = free_port()
+    (run_dir / "nginx-tmp").mkdir(exist_ok=True)
+    conf = run_dir / "nginx.conf"
+    conf.write_text(nginx_config(run_dir, port, [int(base.rsplit(":", 1)[1]) for _, base in gateways]))
+    proxy = Proc(subprocess.Popen([binary, "-e", "stderr", "-p", str(run_dir), "-c", str(conf), "-g", "daemon off;"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True),
+                 run_dir / "nginx.log")
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/nginx-health", proxy)
+        yield gateways, f"http://127.0.0.1:{port}"
+    finally:
+        proxy.signal(signal.SIGQUIT)
+        proxy.stop()
+        for gw, _ in gateways:
+            gw.stop()
+
+
+def active_sockets(base: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=5).text
+    return float(re.search(r"^gateway_active_sockets (\S+)$", text, re.M).group(1))
+
+
+async def test_page_answer_survives_its_gateway_being_killed(redis_server, browser_stack, tmp_path):
+    """The page streams through nginx; the gateway holding its socket is SIGKILLed mid-answer.
+    The JS SDK reconnects (nginx picks the other gateway), resumes from its last seq, and the
+    answer on the page is exactly the greedy reference, with no gap and no repeat."""
+    from playwright.async_api import async_playwright, expect
+
+    from llm_stream_client import StreamClient
+
+    prompt, max_tokens = "Write a very long story about a lighthouse.", 400
+    with two_gateways_behind_nginx(redis_server.url, browser_stack, tmp_path) as (gateways, proxy):
+        async with StreamClient(gateways[1][1].replace("http", "ws") + "/v1/stream") as ref:
+            reference = await ref.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                                           temperature=0).collect()
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = await browser.new_page(viewport={"width": 900, "height": 700})
+                await page.goto(proxy + "/")
+                await page.click("#settings summary")
+                await page.fill("#maxtokens", str(max_tokens))
+                await page.fill("#temperature", "0")
+                await page.fill("#prompt", prompt)
+                await page.click("#send")
+                await page.wait_for_function("parseInt(document.getElementById('tokens').textContent) >= 20",
+                                             timeout=30000)
+                holders = [i for i, (_, base) in enumerate(gateways) if active_sockets(base) >= 1]
+                assert len(holders) == 1, holders
+                victim = gateways[holders[0]][0]
+                victim.signal(signal.SIGKILL)
+                victim.popen.wait(10)
+                seen_at_kill = int(await page.locator("#tokens").inner_text())
+                assert seen_at_kill < max_tokens, "the answer ended before the kill; nothing was tested"
+
+                await expect(page.locator("#status")).to_have_text(re.compile(r"^(length|stop)$"), timeout=60000)
+                answer = page.locator(".msg.assistant").last.locator("span").first
+                assert await answer.text_content() == reference
+                assert await page.evaluate("window.llmStream.reconnects") == 1
+                await expect(page.locator("#conn")).to_have_text("connected")
+                other = gateways[1 - holders[0]][1]
+                assert active_sockets(other) >= 1          # the page now lives on the surviving gateway
+            finally:
+                await browser.close()

@@ -146,6 +146,28 @@ async def test_duplicate_id_and_per_socket_cap(make_settings):
         await c.close()
 
 
+async def test_a_first_token_that_beats_accepted_does_not_freeze_the_gateway(make_settings):
+    """The worker can write a request's first token before the submit reply is back (a slow
+    reply, a fast worker): the socket's sender then holds a request with output that it may not
+    send yet, and must wait for `accepted` instead of spinning without yielding (which froze the
+    whole gateway: found by bench/fanout.py)."""
+    async with gateway_in_process(make_settings(flush_interval_ms=30)) as gw:
+        real_submit = gw.hub.submitter.submit
+
+        async def slow_reply(entry):
+            await real_submit(entry)
+            await asyncio.sleep(0.5)     # the reply is late: the worker's first tokens arrive first
+
+        gw.hub.submitter.submit = slow_reply
+        c = await GatewayClient.connect(gw.ws_url)
+        await c.send(type="generate", id="f1", prompt="Once upon a time", max_tokens=16, temperature=0.0)
+        accepted = await c.recv("f1", timeout=10)
+        assert accepted["type"] == "accepted", accepted
+        chunks, done = await c.until_done("f1", timeout=30)
+        assert done["type"] == "done" and sum(ch["tokens"] for ch in chunks) == done["usage"]["completion_tokens"]
+        await c.close()
+
+
 # ---------------------------------------------------------------------------- cancel / disconnect
 
 
