@@ -207,11 +207,11 @@ def test_cancel_frees_slot_and_budget(model, tokenizer):
     assert engine.cancel("a") is True
     assert engine.num_running == 1 and engine.kv_tokens_used == used - reserve and engine.cache.num_free == 1
     assert engine.cancel("a") is False and engine.cancel("nope") is False
+    outs = engine.step()  # the cancel's final comes at once, without a forward pass
+    assert [(o.rid, o.finish_reason, o.completion_tokens) for o in outs] == [("a", "cancelled", 1)]
     outs = engine.step()
-    by_rid = {o.rid: o for o in outs}
-    assert by_rid["a"].finished and by_rid["a"].finish_reason == "cancelled" and by_rid["a"].completion_tokens == 1
     assert engine.num_running == 2 and engine.num_waiting == 0  # "c" took the freed slot
-    assert "c" in by_rid  # ... and was prefilled in that same step
+    assert "c" in {o.rid for o in outs}  # ... and was prefilled in that step
     # cancelling a waiting request
     engine.add(EngineRequest("d", ids(tokenizer, "Hi"), greedy(5)))
     assert engine.num_waiting == 1 and engine.cancel("d")
