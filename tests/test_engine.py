@@ -479,3 +479,22 @@ def test_aging_keeps_batch_prefill_moving_under_interactive_load(model, tokenize
     got = [p.get("batch", 0) for p in progress]
     assert got.count(16) >= 2, got  # served every aging_steps + 1 steps while interactive prefills
     assert all(0 in got[i : i + 3] for i in range(0, 9)), got  # ... but interactive still comes first
+
+
+def test_ignore_eos_masks_eos_instead_of_emitting_it(model, tokenizer):
+    """With ignore_eos the EOS id is never sampled (forced lengths stay comparable with
+    generate's min_new_tokens), rather than emitted and continued past."""
+    prompt = ids(tokenizer, PROMPTS[0])
+    ref = reference(model, prompt, 10)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, ref[3]]
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
+        with torch.inference_mode():
+            forced = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                    pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+    finally:
+        model.generation_config.eos_token_id = saved
+    outs, _ = run(engine, {0: [EngineRequest("e", prompt, greedy(10), ignore_eos=True)]})
+    assert ref[3] not in tokens(outs["e"]) and tokens(outs["e"]) == forced
+    assert outs["e"][-1].finish_reason == "length" and outs["e"][-1].completion_tokens == 10

@@ -49,6 +49,7 @@ class EngineRequest:
     # count toward max_tokens, prime the detokenizer and stop strings (and a seeded generator),
     # and are not emitted again: only new tokens come out.
     generated_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # EOS ids are masked out of sampling (benchmarks: forced lengths)
 
 
 class EngineRejected(Exception):
@@ -118,6 +119,15 @@ class Engine:
         self._arrivals = 0
 
     # ---- public API -------------------------------------------------------------------
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a request (and that `ignore_eos` requests never sample)."""
+        return self.runner.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.runner.eos_ids = set(ids)
 
     @property
     def has_work(self) -> bool:
@@ -242,7 +252,7 @@ class Engine:
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in self.eos_ids or seq.detok.stopped:
+        if (token in self.eos_ids and not seq.req.ignore_eos) or seq.detok.stopped:
             return "stop"
         if seq.completion_tokens >= seq.req.params.max_tokens:
             return "length"
@@ -252,7 +262,7 @@ class Engine:
         seq.tokens.append(token)
         seq.new_tokens += 1
         n = seq.completion_tokens
-        if token in self.eos_ids:
+        if token in self.eos_ids and not seq.req.ignore_eos:
             text = seq.detok.finish()
         else:
             text = seq.detok.add(token)

@@ -28,6 +28,7 @@ class ModelRunner:
         self.dtype = dtype
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.seed()
+        self.eos_ids: set[int] = set()  # masked for requests with ignore_eos
         pin = device.type == "cuda"
         # host staging: [ids, positions, slots] rows, copied to the device in one transfer
         self._host = torch.zeros(3, max_tokens, dtype=torch.long, pin_memory=pin)
@@ -74,8 +75,13 @@ class ModelRunner:
             )
             if not sampled:
                 return []
+            logits = out.logits[0]
+            masked = [row for row, s in enumerate(sampled) if s.req.ignore_eos]
+            if masked and self.eos_ids:
+                rows = torch.tensor(masked, device=self.device)[:, None]
+                logits[rows, torch.tensor(sorted(self.eos_ids), device=self.device)[None, :]] = float("-inf")
             params = [s.req.params for s in sampled]
-            tokens = sample(out.logits[0], [p.temperature for p in params], [p.top_k for p in params],
+            tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
                             [p.top_p for p in params], [s.generator for s in sampled], self.shared_generator)
         return tokens.tolist()
 
