@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine import attention
-from worker.engine.attention import PrefillChunk, StepMeta
+from worker.engine.attention import PrefillChunk, StepMeta, decode_segments
 from worker.engine.kv_cache import SlotKVCache
 from worker.engine.sampling import sample
 from worker.engine.scheduler import StepPlan
@@ -101,3 +101,4 @@ class ModelRunner:
             meta.row_token = torch.tensor(row_token, device=self.device)
             meta.decode_rows = torch.tensor([s.slot for s in decode], device=self.device)
         meta.decode_lengths = torch.tensor(lengths, device=self.device)
+        meta.segments = decode_segments(lengths)
