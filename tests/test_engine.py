@@ -207,11 +207,11 @@ def test_cancel_frees_slot_and_budget(model, tokenizer):
     assert engine.cancel("a") is True
     assert engine.num_running == 1 and engine.kv_tokens_used == used - reserve and engine.cache.num_free == 1
     assert engine.cancel("a") is False and engine.cancel("nope") is False
+    outs = engine.step()  # the cancel's final comes at once, without a forward pass
+    assert [(o.rid, o.finish_reason, o.completion_tokens) for o in outs] == [("a", "cancelled", 1)]
     outs = engine.step()
-    by_rid = {o.rid: o for o in outs}
-    assert by_rid["a"].finished and by_rid["a"].finish_reason == "cancelled" and by_rid["a"].completion_tokens == 1
     assert engine.num_running == 2 and engine.num_waiting == 0  # "c" took the freed slot
-    assert "c" in by_rid  # ... and was prefilled in that same step
+    assert "c" in {o.rid for o in outs}  # ... and was prefilled in that step
     # cancelling a waiting request
     engine.add(EngineRequest("d", ids(tokenizer, "Hi"), greedy(5)))
     assert engine.num_waiting == 1 and engine.cancel("d")
@@ -326,3 +326,175 @@ def test_sampled_emoji_prompt_output_is_whole_text(model, tokenizer):
                   {0: [EngineRequest("u", prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=3))]})
     got = outs["u"]
     assert text(got) == tokenizer.decode(tokens(got), skip_special_tokens=True)
+
+
+# ---- every request ends exactly once, whatever raises ----------------------------------------
+
+class _BrokenDetokenizer:
+    """Stands in for one request's detokenizer and raises on its third token."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+        self.stopped = False
+
+    def add(self, token):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("tokenizer exploded")
+        return self.real.add(token)
+
+    def finish(self):
+        return self.real.finish()
+
+
+def test_a_failing_detokenizer_fails_only_its_request(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=3, max_seq_len=256))
+    prompt = ids(tokenizer, PROMPTS[0])
+    for rid in ("good", "bad", "also-good"):
+        engine.add(EngineRequest(rid, prompt, greedy(8)))
+    bad = engine._by_rid["bad"]
+    bad.detok = _BrokenDetokenizer(bad.detok)
+    outs, _ = run(engine)
+    assert [o.finish_reason for o in outs["bad"] if o.finished] == ["error"]
+    assert outs["bad"][-1].error_code == ErrorCode.INTERNAL and "exploded" in outs["bad"][-1].error_message
+    for rid in ("good", "also-good"):
+        assert tokens(outs[rid]) == reference(model, prompt, 8)
+        assert sum(o.finished for o in outs[rid]) == 1
+    assert not engine.has_work and engine.kv_tokens_used == 0 and engine.cache.num_free == 3
+
+
+def test_a_failing_forward_pass_fails_its_requests_and_keeps_the_engine(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
+    engine.add(EngineRequest("a", ids(tokenizer, "Hi"), greedy(5)))
+    engine.add(EngineRequest("b", ids(tokenizer, "Hi"), greedy(5)))
+    engine.step()
+    handle = model.model.layers[0].register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("oom")))
+    try:
+        outs = engine.step()
+    finally:
+        handle.remove()
+    assert sorted((o.rid, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
+    assert not engine.has_work and engine.cache.num_free == 2 and engine.kv_tokens_used == 0
+    outs, _ = run(engine, {0: [EngineRequest("c", ids(tokenizer, "Hi"), greedy(5))]})
+    assert tokens(outs["c"]) == reference(model, ids(tokenizer, "Hi"), 5)
+
+
+def test_cancel_final_comes_before_the_next_forward_pass(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
+    engine.add(EngineRequest("a", ids(tokenizer, PROMPTS[0]), greedy(50)))
+    engine.add(EngineRequest("b", ids(tokenizer, PROMPTS[0]), greedy(50)))
+    engine.step()
+    forwards = []
+    handle = model.register_forward_hook(lambda *a: forwards.append(1))
+    try:
+        engine.cancel("a")
+        outs = engine.step()
+        assert [(o.rid, o.finish_reason) for o in outs] == [("a", "cancelled")] and not forwards
+        outs = engine.step()
+        assert [o.rid for o in outs] == ["b"] and len(forwards) == 1
+    finally:
+        handle.remove()
+
+
+# ---- continuation (failover): prompt + delivered tokens as context, only new tokens out -------
+
+@pytest.mark.parametrize("params", [greedy(20), SamplingParams(max_tokens=20, temperature=0.9, top_k=40, seed=11)],
+                         ids=["greedy", "seeded"])
+def test_continuation_equals_the_uninterrupted_run(model, tokenizer, params):
+    prompt = ids(tokenizer, PROMPTS[3])
+    full, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("r", prompt, params)]})
+    delivered = full["r"][:7]
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256, prefill_chunk=8))
+    rest, _ = run(engine, {0: [EngineRequest("r", prompt, params, generated_ids=tokens(delivered))]})
+    assert tokens(rest["r"]) == tokens(full["r"])[7:]
+    assert text(delivered) + text(rest["r"]) == text(full["r"])
+    assert [o.completion_tokens for o in rest["r"]] == [o.completion_tokens for o in full["r"][7:]]
+    assert rest["r"][-1].finish_reason == "length" and rest["r"][-1].prompt_tokens == len(prompt)
+
+
+def test_continuation_primes_stop_strings_across_the_boundary(model, tokenizer):
+    """A stop string whose first half was generated (and held back) before the hand-over and
+    whose second half comes after it is still found, and never emitted."""
+    prompt = ids(tokenizer, PROMPTS[0])
+    full, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("f", prompt, greedy(40))]})
+    pieces = [o.text for o in full["f"]]
+    cut = next(i for i in range(6, 30) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[cut][-2:] + pieces[cut + 1][:2]
+    params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop])
+    whole, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                   {0: [EngineRequest("w", prompt, params)]})
+    assert whole["w"][-1].finish_reason == "stop"
+    # hand over right after the token carrying the first half of the stop string
+    delivered = whole["w"][: cut + 1]
+    rest, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256)),
+                  {0: [EngineRequest("w", prompt, params, generated_ids=tokens(delivered))]})
+    assert text(delivered) + text(rest["w"]) == text(whole["w"])
+    assert stop not in text(delivered) + text(rest["w"])
+    assert rest["w"][-1].finish_reason == "stop"
+
+
+def test_continuation_of_a_finished_request_only_reports_its_final(model, tokenizer):
+    prompt = ids(tokenizer, PROMPTS[0])
+    ref = reference(model, prompt, 6)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
+    outs, steps = run(engine, {0: [EngineRequest("done", prompt, greedy(6), generated_ids=ref)]})
+    assert [(o.finished, o.finish_reason, o.token_ids, o.completion_tokens) for o in outs["done"]] == \
+        [(True, "length", [], 6)]
+    assert not engine.has_work and engine.kv_tokens_used == 0
+
+
+# ---- lanes: prefill budget in lane order, with aging -----------------------------------------
+
+def _prefilled_per_step(engine, rids, steps):
+    seen = []
+    for _ in range(steps):
+        before = {r: engine._by_rid[r].computed for r in rids if r in engine._by_rid}
+        engine.step()
+        seen.append({r: engine._by_rid[r].computed - c for r, c in before.items() if r in engine._by_rid})
+    return seen
+
+
+def test_prefill_chunks_go_to_the_interactive_lane_first(model, tokenizer):
+    long_prompt = ids(tokenizer, PROMPTS[1] * 4)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=3, max_seq_len=512, prefill_chunk=16,
+                                                   lane_aging_steps=100))
+    engine.add(EngineRequest("batch", long_prompt, greedy(2), priority="batch"))
+    engine.step()
+    assert engine._by_rid["batch"].computed == 16
+    engine.add(EngineRequest("chat", long_prompt, greedy(2), priority="interactive"))
+    progress = _prefilled_per_step(engine, ["batch", "chat"], 3)
+    assert all(p["chat"] == 16 and p["batch"] == 0 for p in progress)
+
+
+def test_aging_keeps_batch_prefill_moving_under_interactive_load(model, tokenizer):
+    long_prompt = ids(tokenizer, PROMPTS[1] * 6)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=1024, prefill_chunk=16,
+                                                   lane_aging_steps=3))
+    engine.add(EngineRequest("batch", long_prompt, greedy(2), priority="batch"))
+    for i in range(3):
+        engine.add(EngineRequest(f"chat{i}", long_prompt, greedy(2), priority="interactive"))
+    progress = _prefilled_per_step(engine, ["batch"], 12)
+    got = [p.get("batch", 0) for p in progress]
+    assert got.count(16) >= 2, got  # served every aging_steps + 1 steps while interactive prefills
+    assert all(0 in got[i : i + 3] for i in range(0, 9)), got  # ... but interactive still comes first
+
+
+def test_ignore_eos_masks_eos_instead_of_emitting_it(model, tokenizer):
+    """With ignore_eos the EOS id is never sampled (forced lengths stay comparable with
+    generate's min_new_tokens), rather than emitted and continued past."""
+    prompt = ids(tokenizer, PROMPTS[0])
+    ref = reference(model, prompt, 10)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, ref[3]]
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
+        with torch.inference_mode():
+            forced = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                    pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+    finally:
+        model.generation_config.eos_token_id = saved
+    outs, _ = run(engine, {0: [EngineRequest("e", prompt, greedy(10), ignore_eos=True)]})
+    assert ref[3] not in tokens(outs["e"]) and tokens(outs["e"]) == forced
+    assert outs["e"][-1].finish_reason == "length" and outs["e"][-1].completion_tokens == 10

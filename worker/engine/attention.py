@@ -14,9 +14,9 @@ we write the new keys/values into each request's slot of the `SlotKVCache` and a
 Grouped-query attention is handled by folding the query heads that share a KV head into the
 query-length axis, so keys/values are never repeated.
 
-Works for decoder-only models whose attention layers go through transformers' attention
-interface with RoPE from `position_ids` and a `layer_idx` (Llama, Mistral, Qwen2/3, SmolLM,
-...); sliding-window and soft-capped attention variants are not honoured.
+A sliding window (Mistral, Qwen2's windowed layers) is part of the mask: transformers passes
+each layer's `sliding_window`, and masks are built once per step for each window in use.
+Which model families may use this attention is decided in `model_support.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class PrefillChunk:
     slot: int
     start: int             # position of the chunk's first token in the request
     length: int
-    mask: torch.Tensor     # additive [groups * length, start + length]: 0 = may attend, -inf = not
 
 
 @dataclass
@@ -48,17 +47,42 @@ class StepMeta:
     write_slots: torch.Tensor       # long [T]: slot of each packed token
     write_pos: torch.Tensor         # long [T]: position of each packed token
     num_decode: int                 # packed tokens [0, num_decode) are decode tokens
+    groups: int                     # query heads per KV head
+    dtype: torch.dtype
     rows: int = 0                   # decode view covers slots [0, rows)
     max_len: int = 0                # decode view covers positions [0, max_len)
     row_token: torch.Tensor | None = None    # long [rows]: packed token feeding each row (None = identity)
     decode_rows: torch.Tensor | None = None  # long [num_decode]: row of each decode token (None = identity)
-    decode_mask: torch.Tensor | None = None  # additive [rows, 1, 1, max_len]
+    decode_lengths: torch.Tensor | None = None  # long [rows]: context length of each row (query at length-1)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """Additive [rows, 1, 1, max_len]: row r sees positions < its length (and, with a window,
+        the last `window` of them)."""
+        key = ("decode", window)
+        if key not in self._masks:
+            span = torch.arange(self.max_len, device=self.write_pos.device)[None, :]
+            lengths = self.decode_lengths[:, None]
+            allowed = span < lengths
+            if window is not None:
+                allowed &= span >= lengths - window
+            self._masks[key] = additive_mask(allowed, self.dtype).view(self.rows, 1, 1, -1)
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor:
+        key = (index, window)
+        if key not in self._masks:
+            chunk = self.prefills[index]
+            self._masks[key] = prefill_mask(chunk.start, chunk.length, self.groups, self.write_pos.device,
+                                            self.dtype, window)
+        return self._masks[key]
 
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface signature; returns ([1, T, heads, head_dim], None)."""
     meta: StepMeta | None = kwargs.pop(META_KWARG, None)
+    window = kwargs.get("sliding_window")
     if meta is None:  # a plain forward/generate call on the same model: behave like "sdpa"
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -79,16 +103,16 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         q_rows = q_rows.transpose(0, 1).reshape(rows, kv_heads, groups, head_dim)
         out = F.scaled_dot_product_attention(
             q_rows, k_cache[:rows, :, : meta.max_len], v_cache[:rows, :, : meta.max_len],
-            attn_mask=meta.decode_mask, scale=scaling,
+            attn_mask=meta.decode_mask(window), scale=scaling,
         ).reshape(rows, heads, head_dim)
         parts.append(out if meta.decode_rows is None else out.index_select(0, meta.decode_rows))
     offset = meta.num_decode
-    for chunk in meta.prefills:
+    for index, chunk in enumerate(meta.prefills):
         c, end = chunk.length, chunk.start + chunk.length
         q_chunk = q[:, offset : offset + c].reshape(1, kv_heads, groups * c, head_dim)
         out = F.scaled_dot_product_attention(
             q_chunk, k_cache[chunk.slot : chunk.slot + 1, :, :end], v_cache[chunk.slot : chunk.slot + 1, :, :end],
-            attn_mask=chunk.mask, scale=scaling,
+            attn_mask=meta.prefill_mask(index, window), scale=scaling,
         )  # [1, KVH, G*c, D]
         parts.append(out.view(kv_heads, groups, c, head_dim).permute(2, 0, 1, 3).reshape(c, heads, head_dim))
         offset += c
@@ -102,12 +126,17 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def prefill_mask(start: int, length: int, groups: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def prefill_mask(start: int, length: int, groups: int, device, dtype: torch.dtype = torch.float32,
+                 window: int | None = None) -> torch.Tensor:
     """Causal mask of a chunk at `start`: query i (repeated for each folded head group) sees
-    positions <= start + i."""
-    q_pos = torch.arange(start, start + length, device=device)
-    k_pos = torch.arange(start + length, device=device)
-    return additive_mask((k_pos[None, :] <= q_pos[:, None]).repeat(groups, 1), dtype)
+    positions <= start + i (and > start + i - window with a sliding window, as transformers'
+    `sliding_window_overlay`)."""
+    q_pos = torch.arange(start, start + length, device=device)[:, None]
+    k_pos = torch.arange(start + length, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return additive_mask(allowed.repeat(groups, 1), dtype)
 
 
 def register() -> None:

@@ -33,11 +33,13 @@ class EngineConfig:
     max_seq_len: int = 2048       # prompt + output tokens of one request (= length of one slot)
     kv_cache_tokens: int = 0      # admission budget in tokens; 0 = max_batch * max_seq_len
     prefill_chunk: int = 256      # prompt tokens processed per step, interleaved with decode
+    lane_aging_steps: int = 8     # a request starved this many steps is served as interactive
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0:
+        if (self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0
+                or self.lane_aging_steps < 1):
             raise ValueError(f"invalid engine config: {self}")
 
     @property
