@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from shared.errors import ErrorCode
@@ -26,7 +26,7 @@ log = logging.getLogger("worker.engine")
 @dataclass
 class Add:
     entry: RequestEntry
-    skip_tokens: int = 0
+    generated_ids: list[int] = field(default_factory=list)  # continuation: tokens an earlier run delivered
 
 
 @dataclass
@@ -142,7 +142,7 @@ class EngineThread:
                                  f"prompt is {len(ids)} tokens, the limit is {self.max_prompt_tokens}", len(ids))]
         try:
             self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,
-                                          priority=entry.priority, skip_tokens=command.skip_tokens))
+                                          priority=entry.priority, generated_ids=list(command.generated_ids)))
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids))]
         except Exception as exc:  # a bug or odd input must fail this request only

@@ -7,8 +7,9 @@ Why its own module: ownership of a request entry is decided here and only here.
 * claim: XAUTOCLAIM of entries idle for `claim_idle_ms` (their worker died or handed them back),
   see worker.failover for what happens to a request another worker started;
 * accept: one MULTI on the request's slot {r:rid} sets meta.owner, bumps meta.epoch, reads the
-  cancel flag, the last history event (progress) and meta.gw / meta.att (where live events go;
-  whether someone resumed, so an attach marker goes first);
+  cancel flag, the history (progress, and the delivered token ids a continuation starts from)
+  and meta.gw / meta.att (where live events go; whether someone resumed, so an attach marker
+  goes first);
 * keep-fresh: XCLAIM ... JUSTID of our own pending entries resets their idle time, so a slow
   but healthy worker's requests are never claimed away; notices requests claimed away anyway
   (after a long stall) and drops them; polls the cancel flags;
@@ -178,14 +179,17 @@ class Intake:
                 pipe.hmget(keys.meta(rid), [META_GW, META_ATT])
                 pipe.expire(keys.meta(rid), self.settings.output_ttl_s)
                 pipe.exists(keys.cancel(rid))
-                pipe.xrevrange(keys.out(rid), count=1)
+                # the whole history (empty for a new request): its token ids are what a
+                # continuation starts from, read in the same MULTI that makes us the owner
+                pipe.xrange(keys.out(rid))
                 return await pipe.execute()
-        *_, epoch, (gw, att), _, cancelled, last = await with_backoff(claim, "claim request")
-        progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
+        *_, epoch, (gw, att), _, cancelled, raw_history = await with_backoff(claim, "claim request")
+        history = [decode_event(fields[ENTRY_FIELD]) for _id, fields in raw_history]
+        progress = progress_from_last(history[-1] if history else None)
         st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), gw=as_str(gw) if gw else "")
         if att and int(att) > 0 and st.gw:
             st.marker_att = int(att)
-        decision = failover.decide(entry, progress)
+        decision = failover.decide(entry, progress, history)
         if decision.action == "ack":     # finished before its worker died: ack only
             st.engine_done = st.final_written = True
             await with_backoff(lambda: svc.redis.hdel(keys.meta(rid), META_OWNER), "release owner")
@@ -198,11 +202,11 @@ class Intake:
             svc.inflight[rid] = st        # until its final is written (retried if refused)
             await with_backoff(lambda: svc.writer.commit([st]), "finish request")
             return
-        if decision.action == "replay":
-            svc.stats["replayed"] += 1
-            log.info("replaying %s from token %d", rid, decision.skip_tokens)
+        if decision.action == "continue":
+            svc.stats["continued"] += 1
+            log.info("continuing %s after its %d delivered tokens", rid, len(decision.generated_ids))
         svc.inflight[rid] = st
-        svc.thread.submit(Add(entry, skip_tokens=decision.skip_tokens))
+        svc.thread.submit(Add(entry, generated_ids=decision.generated_ids))
 
     async def dead_letter(self, entry_id: str, reason: str, raw: bytes | None, deliveries: int, kind: str,
                           entry: RequestEntry | None = None) -> None:

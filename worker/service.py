@@ -58,7 +58,7 @@ class WorkerService:
         self.stopping = False
         self.fatal = False
         self.started_ms = int(time.time() * 1000)
-        self.stats = {"finished": 0, "replayed": 0, "lost": 0, "dead": 0, "claimed": 0, "handed_back": 0}
+        self.stats = {"finished": 0, "continued": 0, "lost": 0, "dead": 0, "claimed": 0, "handed_back": 0}
         self.stop_event = asyncio.Event()
         self.capacity_event = asyncio.Event()
         self.outputs_event = asyncio.Event()
