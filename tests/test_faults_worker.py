@@ -15,7 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.backlog import live_workers
 from shared.localredis import LocalRedis
-from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event, encode_tok,
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
+                            decode_event_list, encode_tok,
                             history_id)
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
 from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, read_events, read_inbox, submit,
@@ -196,6 +197,62 @@ async def test_continuation_is_exact_when_the_new_run_differs(redis_server, redi
         for p in (victim, survivor):
             if p is not None:
                 p.stop()
+
+
+async def test_a_stopped_worker_that_comes_back_is_fenced_off(redis_server, redis_client, stream_prefix,
+                                                               tiny_model_dir, tmp_path):
+    """SIGSTOP the owner mid-stream (a long GC pause, a partition): the other worker claims the
+    request (epoch 2) and continues it. On SIGCONT the old owner must not write to it any more:
+    its writes are refused in Redis (the history script checks meta.epoch) and it drops the
+    request; the history and the gateway inbox hold one continuous stream, nothing of epoch 1
+    after the claim."""
+    keys = Keys(stream_prefix)
+    gw = "g-stop"
+    procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, FAST_CLAIM)
+    try:
+        rid = new_rid()
+        await submit_together(redis_client, keys, [RequestEntry(rid=rid, params=SamplingParams(max_tokens=1500,
+                                                                                              temperature=1.0),
+                                                                prompt=PROMPT, gw=gw)])
+        await wait_for_tokens(redis_client, keys, rid, 20)
+        owner = await owner_of(redis_client, keys, rid)
+        victim = procs[0] if owner == "wa" else procs[1]
+        survivor = procs[1] if victim is procs[0] else procs[0]
+        victim.signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while await redis_client.hget(keys.meta(rid), "epoch") != b"2" and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert await redis_client.hget(keys.meta(rid), "epoch") == b"2", "not claimed"
+        finally:
+            victim.signal(signal.SIGCONT)
+        events = await read_events(redis_client, keys, rid, timeout=120)
+        assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 1500, events[-1]
+        check_seqs(events)
+        eps = [e["ep"] for e in events]
+        assert eps == sorted(eps) and set(eps) == {1, 2}
+        # live: after the first epoch-2 event the stale worker put nothing into the inbox either
+        raw = [e for _, f in await redis_client.xrange(keys.inbox(gw)) for e in decode_event_list(f[ENTRY_FIELD])
+               if e["rid"] == rid]
+        first2 = next(i for i, e in enumerate(raw) if e["ep"] == 2)
+        assert all(e["ep"] == 2 for e in raw[first2:]), [(e["seq"], e["ep"]) for e in raw[first2:]]
+        assert [(e["seq"], e.get("text")) for e in dedup_live(raw)] == [(e["seq"], e.get("text")) for e in events]
+        deadline = time.monotonic() + 10
+        while "dropping it here" not in victim.log() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert "dropping it here" in victim.log()
+        assert victim.alive() and survivor.alive()
+        await wait_no_pending(redis_client, keys)
+        # the stale worker serves new work normally afterwards
+        more = [new_rid() for _ in range(4)]
+        for r in more:
+            await submit(redis_client, keys, r, max_tokens=8)
+        for r in more:
+            assert (await read_events(redis_client, keys, r, timeout=60))[-1]["k"] == "done"
+    finally:
+        for p in procs:
+            p.signal(signal.SIGCONT)
+            p.stop()
 
 
 async def test_sigterm_hands_running_requests_back(redis_server, redis_client, stream_prefix, tiny_model_dir,

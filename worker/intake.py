@@ -218,10 +218,17 @@ class Intake:
         if rid is None or rid in svc.inflight:
             await with_backoff(lambda: svc.writer.commit([], [DeadLetter(entry_id, fields)]), "dead-letter")
             return
-        # the final event must follow whatever earlier attempts wrote
-        last = await with_backoff(lambda: svc.redis.xrevrange(self.keys.out(rid), count=1), "read progress")
+        # the final event must follow whatever earlier attempts wrote; taking the next epoch
+        # fences off any earlier worker still writing
+        async def take():
+            async with svc.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
+                pipe.hincrby(self.keys.meta(rid), META_EPOCH, 1)
+                pipe.expire(self.keys.meta(rid), self.settings.output_ttl_s)
+                pipe.xrevrange(self.keys.out(rid), count=1)
+                return await pipe.execute()
+        epoch, _, last = await with_backoff(take, "read progress")
         progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
-        st = InFlight.start(rid, entry_id, entry, progress, key_id=failover.key_id_of_raw(raw))
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), key_id=failover.key_id_of_raw(raw))
         st.dead_letter = fields
         if progress.finished:
             st.engine_done = st.final_written = True
@@ -256,9 +263,7 @@ class Intake:
             elif svc.inflight.get(st.rid) is st and not st.final_written:
                 # claimed by another worker (we stalled past claim_idle_ms): it owns it now
                 log.warning("request %s was claimed by another worker; dropping it here", st.rid)
-                del svc.inflight[st.rid]
-                svc.thread.submit(Cancel(st.rid, silent=True))
-                svc.capacity_event.set()
+                svc.drop(st)
         if not kept:
             return
         async with svc.redis.pipeline(transaction=False) as pipe:

@@ -58,7 +58,8 @@ class WorkerService:
         self.stopping = False
         self.fatal = False
         self.started_ms = int(time.time() * 1000)
-        self.stats = {"finished": 0, "continued": 0, "lost": 0, "dead": 0, "claimed": 0, "handed_back": 0}
+        self.stats = {"finished": 0, "continued": 0, "lost": 0, "dead": 0, "claimed": 0, "handed_back": 0,
+                      "dropped": 0}
         self.stop_event = asyncio.Event()
         self.capacity_event = asyncio.Event()
         self.outputs_event = asyncio.Event()
@@ -81,6 +82,17 @@ class WorkerService:
             if self.inflight.get(st.rid) is st:
                 del self.inflight[st.rid]
                 self.stats["finished"] += 1
+        self.capacity_event.set()
+
+    def drop(self, st: InFlight) -> None:
+        """Another worker owns rid now (it was claimed away, or our write was fenced): forget it
+        here without a final and without an ack; the engine stops it silently."""
+        st.fenced = True
+        if self.inflight.get(st.rid) is st:
+            del self.inflight[st.rid]
+            self.stats["dropped"] += 1
+            if not st.engine_done:
+                self.thread.submit(Cancel(st.rid, silent=True))
         self.capacity_event.set()
 
     def _on_give_up(self, st: InFlight) -> None:
@@ -109,7 +121,7 @@ class WorkerService:
         self.intake_redis = connect(s.redis_url, socket_timeout=BLOCKING_READ_TIMEOUT_S)
         self.ctl_redis = connect(s.redis_url, socket_timeout=BLOCKING_READ_TIMEOUT_S)
         self.writer = OutputWriter(self.redis, self.keys, s, self.worker_id,
-                                   on_give_up=self._on_give_up, on_done=self._on_done)
+                                   on_give_up=self._on_give_up, on_done=self._on_done, on_fenced=self.drop)
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(self.engine, max_prompt_tokens=s.max_prompt_tokens,
                                    buffer_max=s.output_buffer_max, on_output=notify_loop(loop, self.outputs_event))
