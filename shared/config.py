@@ -25,8 +25,9 @@ class Settings(BaseSettings):
     output_maxlen: int = Field(20000, description="approximate MAXLEN of one request's output stream")
     request_stream_maxlen: int = Field(100000, description="approximate MAXLEN of the request stream")
     claim_idle_ms: int = Field(15000, description="pending requests idle this long are claimed by another worker")
-    worker_heartbeat_s: float = Field(2.0, description="how often a worker refreshes its registry entry")
-    worker_ttl_s: float = Field(10.0, description="a worker silent this long is considered dead")
+    worker_heartbeat_s: float = Field(0.5, description="how often a worker refreshes its registry entry")
+    worker_ttl_s: float = Field(2.0, description="a worker silent this long is considered dead: "
+                                                 "survivors claim its requests at once")
 
     # --- Limits (enforced by the gateway, re-checked by the worker) ---
     max_tokens_cap: int = Field(2048, description="server cap on max_tokens")

@@ -4,8 +4,11 @@ Why its own module: ownership of a request entry is decided here and only here.
 
 * intake: XREADGROUP only as many new entries as the engine has free slots (an idle worker
   elsewhere gets the rest instead of this one hoarding them);
-* claim: XAUTOCLAIM of entries idle for `claim_idle_ms` (their worker died or handed them back),
-  see worker.failover for what happens to a request another worker started;
+* claim: the entries of a worker whose registry heartbeat lapsed (`worker_ttl_s`) at once, ahead
+  of new intake; XAUTOCLAIM (following its cursor) of entries idle for `claim_idle_ms` for the
+  rest (hand-backs, workers gone from the registry); see worker.failover for what happens to a
+  request another worker started. A dead worker with nothing left pending is forgotten
+  (registry entry, control stream, group consumer);
 * accept: one MULTI on the request's slot {r:rid} sets meta.owner, bumps meta.epoch, reads the
   cancel flag, the history (progress, and the delivered token ids a continuation starts from)
   and meta.gw / meta.att (where live events go; whether someone resumed, so an attach marker
@@ -29,7 +32,7 @@ from redis.exceptions import ResponseError
 from shared.errors import ErrorCode
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_ATT, META_EPOCH, META_GW, META_KEY, META_OWNER,
                             RequestEntry, as_str, decode_event)
-from worker import failover
+from worker import failover, registry
 from worker.engine_thread import Add, Cancel
 from worker.events import InFlight, progress_from_last
 from worker.output_writer import DeadLetter
@@ -42,6 +45,8 @@ log = logging.getLogger("worker.intake")
 
 BLOCK_MS = 1000          # XREAD BLOCK of the intake loop (bounds SIGTERM reaction)
 TRIM_EVERY_S = 10.0
+DEAD_CHECK_S = 0.25      # how often the registry is checked for workers whose heartbeat lapsed
+MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
 
 
 async def trim_finished(redis, keys, *, approximate: bool = True) -> str | None:
@@ -67,6 +72,7 @@ class Intake:
         self.svc = svc
         self.keys = svc.keys
         self.settings = svc.settings
+        self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
 
     async def ensure_group(self) -> None:
         try:
@@ -106,20 +112,25 @@ class Intake:
 
     async def claim_loop(self) -> None:
         svc = self.svc
-        # scanning is cheap (XAUTOCLAIM walks the pending list from 0-0), and a short interval
-        # is what makes a hand-back from a draining worker land elsewhere within a second
-        interval = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
-        last_trim = 0.0
+        # A dead worker is known from the registry as soon as its heartbeat lapses: its entries
+        # are claimed then (checked every DEAD_CHECK_S), whatever our free slots, ahead of new
+        # intake (which waits while we are full). XAUTOCLAIM after claim_idle_ms is the fallback
+        # for entries nobody else accounts for (hand-backs, workers gone from the registry); a
+        # short interval is what makes a hand-back land elsewhere within a second.
+        scan_every = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
+        last_trim = last_scan = 0.0
         while not svc.stopping:
             try:
-                await asyncio.wait_for(svc.stop_event.wait(), interval)
+                await asyncio.wait_for(svc.stop_event.wait(), DEAD_CHECK_S)
                 return
             except asyncio.TimeoutError:
                 pass
             try:
+                await with_backoff(self.claim_dead_workers, "claim from dead workers", lambda: svc.stopping)
                 free = svc.free_slots()
-                if free > 0:
+                if free > 0 and time.monotonic() - last_scan >= scan_every:
                     await with_backoff(lambda: self.claim_once(free), "claim", lambda: svc.stopping)
+                    last_scan = time.monotonic()
                 if time.monotonic() - last_trim > TRIM_EVERY_S:
                     await with_backoff(lambda: trim_finished(svc.redis, self.keys), "trim", lambda: svc.stopping)
                     last_trim = time.monotonic()
@@ -129,18 +140,60 @@ class Intake:
                 log.warning("claim loop: %s", exc)
 
     async def claim_once(self, count: int) -> None:
+        """XAUTOCLAIM up to `count` idle entries, following its cursor: Redis scans at most
+        10 x COUNT pending entries a call, so with one free slot behind a hundred busy entries
+        a scan from 0-0 every time would never reach the idle ones further on."""
         svc = self.svc
-        _next, entries, deleted = (await svc.redis.xautoclaim(
-            self.keys.requests, CONSUMER_GROUP, svc.worker_id, self.settings.claim_idle_ms,
-            start_id="0-0", count=count))[:3]
-        if deleted:
-            log.warning("pending entries trimmed before anyone finished them: %s", deleted)
-        entries = [(as_str(i), f) for i, f in entries if f]
+        claimed: list = []
+        for _ in range(MAX_SCAN_CALLS):
+            self.cursor, entries, deleted = (await svc.redis.xautoclaim(
+                self.keys.requests, CONSUMER_GROUP, svc.worker_id, self.settings.claim_idle_ms,
+                start_id=self.cursor, count=count - len(claimed)))[:3]
+            self.cursor = as_str(self.cursor)
+            if deleted:
+                log.warning("pending entries trimmed before anyone finished them: %s", deleted)
+            claimed += [(as_str(i), f) for i, f in entries if f]
+            if len(claimed) >= count or self.cursor == "0-0":
+                break
+        await self._accept_claimed(claimed)
+
+    async def claim_dead_workers(self) -> None:
+        """Claim the entries of every worker whose registry heartbeat is older than
+        worker_ttl_s (up to our capacity a round), and clean up after those with none left."""
+        svc = self.svc
+        now_ms = int(time.time() * 1000)
+        silent = await svc.redis.zrangebyscore(self.keys.workers, "-inf", now_ms - int(self.settings.worker_ttl_s * 1000))
+        room = svc.capacity
+        for dead in (as_str(w) for w in silent):
+            if dead == svc.worker_id or room <= 0:
+                continue
+            pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
+                                                     count=room, consumername=dead)
+            if not pending:
+                await registry.forget_dead(svc.redis, self.keys, dead)
+                log.info("worker %s is dead and owns nothing any more: removed its registry entry, control "
+                         "stream and consumer", dead)
+                continue
+            # min-idle: of two survivors claiming at once only one gets each entry (XCLAIM resets
+            # the idle time), and an entry the dead worker refreshed just before dying still qualifies
+            min_idle = int(self.settings.worker_ttl_s * 500)
+            claimed = await svc.redis.xclaim(self.keys.requests, CONSUMER_GROUP, svc.worker_id, min_idle,
+                                             [p["message_id"] for p in pending])
+            claimed = [(as_str(i), f) for i, f in claimed if f]
+            if claimed:
+                log.info("worker %s is dead (no heartbeat for %.1f s): claimed %d of its requests", dead,
+                         self.settings.worker_ttl_s, len(claimed))
+                room -= len(claimed)
+                await self._accept_claimed(claimed)
+
+    async def _accept_claimed(self, entries: list) -> None:
         if not entries:
             return
-        # delivery counts (XAUTOCLAIM has already counted this delivery)
-        pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=entries[0][0],
-                                                 max=entries[-1][0], count=len(entries) + 100,
+        svc = self.svc
+        # delivery counts (the claim has already counted this delivery)
+        ids = sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))
+        pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
+                                                 max=ids[-1][0], count=len(entries) + 100,
                                                  consumername=svc.worker_id)
         deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
         ours = {st.entry_id for st in svc.inflight.values()}
