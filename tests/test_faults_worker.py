@@ -337,6 +337,57 @@ async def test_claims_reach_idle_entries_behind_a_hundred_busy_ones(redis_server
         proc.stop()
 
 
+POISONED_ENGINE = """
+# every forward pass fails, as on a poisoned CUDA context (loaded by the worker at start-up)
+import worker.engine.runner as runner
+
+
+def execute(self, plan):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+
+runner.ModelRunner.execute = execute
+"""
+
+
+async def test_a_worker_whose_every_step_fails_stops_taking_work_and_says_why(
+        redis_server, redis_client, stream_prefix, tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from tests.stack_fixtures import ROOT
+    hook = tmp_path / "poison"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(POISONED_ENGINE)
+    keys = Keys(stream_prefix)
+    env = {"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', ROOT)}"}
+    proc = start_worker(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, name="w-sick", env=env)
+    try:
+        for _ in range(3):     # one failing step each
+            rid = await submit(redis_client, keys, max_tokens=5)
+            ev = (await read_events(redis_client, keys, rid, timeout=30))[-1]
+            assert ev["k"] == "err" and ev["code"] == "internal", ev
+        deadline = time.monotonic() + 10
+        while await redis_client.hget(keys.worker("w-sick"), "state") != b"unhealthy" and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        info = {k.decode(): v.decode() for k, v in (await redis_client.hgetall(keys.worker("w-sick"))).items()}
+        assert info["state"] == "unhealthy" and "illegal memory access" in info["reason"], info
+        assert "engine unhealthy" in proc.log()
+        # no more work taken: a new request stays in the queue for a healthy worker
+        waiting = await submit(redis_client, keys, max_tokens=5)
+        await asyncio.sleep(3)
+        assert await redis_client.xlen(keys.out(waiting)) == 0 and await owner_of(redis_client, keys, waiting) is None
+        # the container health check says so, with the reason
+        check = subprocess.run([sys.executable, str(ROOT / "deploy" / "healthcheck.py"), "worker"], cwd=ROOT,
+                               env={**os.environ, "REDIS_URL": redis_server.url, "STREAM_PREFIX": stream_prefix,
+                                    "WORKER_ID": "w-sick", "PYTHONPATH": str(ROOT)},
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 1 and "illegal memory access" in check.stdout, check.stdout + check.stderr
+        assert proc.alive()
+    finally:
+        proc.stop()
+
+
 async def test_sigterm_hands_running_requests_back(redis_server, redis_client, stream_prefix, tiny_model_dir,
                                                    tmp_path):
     """With CLAIM_IDLE_MS=20 s, only the hand-back can make another worker continue within seconds."""

@@ -104,9 +104,13 @@ class Intake:
                 await asyncio.sleep(0.2)
                 await with_backoff(self.ensure_group, "create consumer group", lambda: svc.stopping)
                 continue
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    await self.accept(as_str(entry_id), fields, deliveries=1)
+            entries = [(as_str(i), f) for _stream, got in resp or [] for i, f in got]
+            if entries and svc.unhealthy:   # it turned unhealthy while this read was blocked
+                await svc.lifecycle.release_entries([i for i, _ in entries])
+                log.warning("engine unhealthy: handed back %d new entries", len(entries))
+                continue
+            for entry_id, fields in entries:
+                await self.accept(entry_id, fields, deliveries=1)
 
     # ---- entries of dead workers ------------------------------------------------------------
 
@@ -161,6 +165,8 @@ class Intake:
         """Claim the entries of every worker whose registry heartbeat is older than
         worker_ttl_s (up to our capacity a round), and clean up after those with none left."""
         svc = self.svc
+        if svc.unhealthy:
+            return
         now_ms = int(time.time() * 1000)
         silent = await svc.redis.zrangebyscore(self.keys.workers, "-inf", now_ms - int(self.settings.worker_ttl_s * 1000))
         room = svc.capacity

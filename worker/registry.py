@@ -17,8 +17,8 @@ from shared.streams import CONSUMER_GROUP, Keys
 
 
 def registry_fields(*, capacity: int, running: int, waiting: int, in_flight: int, kv_used: int,
-                    kv_total: int, model: str, started_ms: int, steps: int, state: str) -> dict:
-    return {
+                    kv_total: int, model: str, started_ms: int, steps: int, state: str, reason: str = "") -> dict:
+    return {"reason": reason,
         "capacity": capacity, "running": running, "waiting": waiting, "in_flight": in_flight,
         "kv_free": max(0, kv_total - kv_used), "kv_total": kv_total, "model": model,
         "started_ms": started_ms, "pid": os.getpid(), "steps": steps, "state": state,

@@ -75,7 +75,15 @@ class WorkerService:
         return sum(1 for st in self.inflight.values() if not st.engine_done)
 
     def free_slots(self) -> int:
+        """Slots for new or claimed work; none while the engine is unhealthy."""
+        if self.unhealthy:
+            return 0
         return self.capacity - self.running_count()
+
+    @property
+    def unhealthy(self) -> str:
+        """Why the engine cannot serve ("" when it can): every step fails."""
+        return self.thread.unhealthy_reason if self.thread else ""
 
     def _on_done(self, done: list[InFlight]) -> None:
         for st in done:
@@ -105,7 +113,8 @@ class WorkerService:
         return registry.registry_fields(
             capacity=self.capacity, running=t.running, waiting=t.waiting, in_flight=self.running_count(),
             kv_used=t.kv_used, kv_total=t.kv_total, model=self.model_name, started_ms=self.started_ms,
-            steps=t.steps, state="draining" if self.stopping else "ready")
+            steps=t.steps, state="draining" if self.stopping else "unhealthy" if self.unhealthy else "ready",
+            reason=self.unhealthy)
 
     # ---- running -----------------------------------------------------------------------------
 
