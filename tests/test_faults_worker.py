@@ -388,6 +388,43 @@ async def test_a_worker_whose_every_step_fails_stops_taking_work_and_says_why(
         proc.stop()
 
 
+async def test_keys_of_killed_workers_are_removed(redis_server, redis_client, stream_prefix, tmp_path):
+    """Start and SIGKILL 20 workers (synthetic engine: the real service, no model), each with a
+    control stream a gateway wrote to and a consumer in the group; after WORKER_TTL_S a survivor
+    removes their registry entries, control streams and consumers: Redis keys stay bounded."""
+    keys = Keys(stream_prefix)
+    env = {"WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2}
+    dead = [spawn("worker.synthetic", _env(redis_server.url, stream_prefix, {**env, "WORKER_ID": f"d{i}"}),
+                  tmp_path, f"d{i}") for i in range(20)]
+    survivor = None
+    try:
+        for p in dead:
+            wait_for_worker(redis_server.url, stream_prefix, p, count=20, timeout=300)
+        for i in range(20):      # what a gateway's cancel / attach leaves behind
+            await redis_client.xadd(keys.ctl(f"d{i}"), {ENTRY_FIELD: b"x"})
+        for p in dead:
+            p.signal(signal.SIGKILL)
+        for p in dead:
+            p.popen.wait(30)
+        survivor = spawn("worker.synthetic", _env(redis_server.url, stream_prefix, {**env, "WORKER_ID": "alive"}),
+                         tmp_path, "alive")
+        deadline = time.monotonic() + 60
+        worker_keys: list = []
+        while time.monotonic() < deadline:
+            worker_keys = sorted([k.decode() async for k in redis_client.scan_iter(match=f"{stream_prefix}:{{w:*")])
+            if worker_keys == [keys.worker("alive")]:
+                break
+            await asyncio.sleep(0.2)
+        assert worker_keys == [keys.worker("alive")]
+        assert [m.decode() for m in await redis_client.zrange(keys.workers, 0, -1)] == ["alive"]
+        consumers = {c["name"].decode() for c in await redis_client.xinfo_consumers(keys.requests, CONSUMER_GROUP)}
+        assert consumers <= {"alive"}
+        assert "owns nothing any more" in survivor.log()
+    finally:
+        for p in dead + ([survivor] if survivor else []):
+            p.stop()
+
+
 async def test_sigterm_hands_running_requests_back(redis_server, redis_client, stream_prefix, tiny_model_dir,
                                                    tmp_path):
     """With CLAIM_IDLE_MS=20 s, only the hand-back can make another worker continue within seconds."""
