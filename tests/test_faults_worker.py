@@ -317,7 +317,7 @@ async def test_claims_reach_idle_entries_behind_a_hundred_busy_ones(redis_server
             await asyncio.sleep(0.3)
     keeper = asyncio.create_task(keep_busy_alive())
     proc = start_worker(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, name="w-one",
-                        env={"MAX_BATCH": 1, "CLAIM_IDLE_MS": 5000})
+                        env={"MAX_BATCH": 1, "WORKER_QUEUE_DEPTH": 0, "CLAIM_IDLE_MS": 5000})
     try:
         for rid in gone + lapsed:
             assert (await read_events(redis_client, keys, rid, timeout=60))[-1]["k"] == "done"

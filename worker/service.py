@@ -75,10 +75,13 @@ class WorkerService:
         return sum(1 for st in self.inflight.values() if not st.engine_done)
 
     def free_slots(self) -> int:
-        """Slots for new or claimed work; none while the engine is unhealthy."""
+        """Room for new or claimed work: the running batch plus WORKER_QUEUE_DEPTH queued in the
+        engine, whose admission and prefill follow lanes (interactive first, batch aged); with
+        an empty engine queue a lane could only order what happens to be read together. None
+        while the engine is unhealthy."""
         if self.unhealthy:
             return 0
-        return self.capacity - self.running_count()
+        return self.capacity + self.settings.worker_queue_depth - self.running_count()
 
     @property
     def unhealthy(self) -> str:
