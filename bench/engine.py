@@ -9,14 +9,20 @@ Methods:
   c. hf_cb       - transformers' continuous batching (`init_continuous_batching` manager,
                    requests added at their arrival times), where it works
   d. engine      - worker.engine.Engine, requests added at their arrival times
+  e. llamacpp    - a running llama.cpp server (--llamacpp-url), fed the same token ids at the
+                   same arrival times over its streaming /completion endpoint (one thread per
+                   request); build and start it as bench/RESULTS.md says
 
 Workloads:
   uniform - N requests, same output length, all arriving at t=0
+  fixed   - for each --concurrency C: C requests of --fixed-prompt prompt tokens and
+            --fixed-tokens output tokens, all at t=0, max_batch = C (GPU-shaped load)
   mixed   - N requests, output lengths log-uniform in [--min-tokens, --max-tokens] from a fixed
             seed, prompts of mixed length, Poisson arrivals at --rate requests/s
 
-Output lengths are forced (EOS disabled everywhere) so every method produces the same tokens
-count. Set-up outside the timed region: the engine's KV cache allocation and the transformers
+Output lengths are forced (EOS masked out of sampling everywhere: generate's min_new_tokens,
+the engine's ignore_eos, llama.cpp's ignore_eos) so every method produces the same number of
+tokens over comparable contexts. Set-up outside the timed region: the engine's KV cache allocation and the transformers
 manager's start. Reported: output tokens/s (all tokens / time from first arrival to last token), TTFT
 p50/p95 (first token - arrival, queueing included), inter-token gap p50/p95. Ratios are
 against the static baseline of the same workload in the same run.
@@ -24,16 +30,26 @@ against the static baseline of the same workload in the same run.
     .venv/bin/python bench/engine.py                       # SmolLM2-135M, ~5-6 min on 2 CPU cores
     .venv/bin/python bench/engine.py --quick               # small smoke run
     .venv/bin/python bench/engine.py --methods static,engine --workloads mixed
+    .venv/bin/python bench/engine.py --methods engine,llamacpp --llamacpp-url http://127.0.0.1:8090
+    .venv/bin/python bench/engine.py --device cuda --random-weights qwen2.5-0.5b --methods engine \
+        --workloads fixed,mixed --concurrency 1,16,64,256
+
+--random-weights builds a model of a real model's shape in code with random weights (no file,
+no download; speed does not depend on weight values) and uses SmolLM2's tokenizer for prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import math
 import os
 import random
 import sys
+import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +64,38 @@ from bench.common import percentile, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
+from worker.engine.config import resolve_dtype  # noqa: E402
+from worker.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
+
+# Real models' shapes, for --random-weights (from their published config.json files).
+RANDOM_CONFIGS = {
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+                                   max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5)),
+    "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0,
+                                   max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                                   max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+}
+
+
+def random_model(name: str, device: str, dtype: torch.dtype):
+    """A model of `name`'s shape with random weights, built in code (no download), and
+    SmolLM2's tokenizer (its ids fit every vocabulary above) for the prompts."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    family, kwargs = RANDOM_CONFIGS[name]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    torch.manual_seed(0)
+    config = config_cls(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    with torch.device(device):
+        model = model_cls(config).to(dtype)
+    model.eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+    return model, tok
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -76,6 +124,10 @@ def make_workload(kind: str, tok, args) -> list[Req]:
     chats = [build_prompt_ids(tok, None, [{"role": "user", "content": q}]) for q in QUESTIONS]
     if kind == "uniform":
         return [Req(i, 0.0, chats[i % len(chats)], args.uniform_tokens) for i in range(args.uniform_requests)]
+    if kind.startswith("fixed"):  # fixed@C: C requests of exactly --fixed-prompt prompt tokens
+        base = tok(CONTEXT * 8, add_special_tokens=False)["input_ids"]
+        return [Req(i, 0.0, (base[i % 7:] + base)[: args.fixed_prompt], args.fixed_tokens)
+                for i in range(int(kind.split("@")[1]))]
     reqs, t = [], 0.0
     for i in range(args.mixed_requests):
         if i:
@@ -104,8 +156,8 @@ def _generate(model, tok, reqs: list[Req]) -> None:
     keeps the timestamps of its own tokens."""
     width = max(len(r.prompt) for r in reqs)
     pad = tok.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in reqs])
-    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in reqs])
+    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in reqs], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in reqs], device=model.device)
     steps = max(r.n for r in reqs)
     clock = StepClock()
     with torch.inference_mode():
@@ -201,9 +253,9 @@ def prepare_hf_cb(model, tok, reqs, args):
 
 def prepare_engine(model, tok, reqs, args):
     max_len = max(len(r.prompt) + r.n for r in reqs)
-    engine = Engine(model, tok, EngineConfig(max_batch=args.batch, max_seq_len=max_len,
-                                             prefill_chunk=args.prefill_chunk))
-    engine.eos_ids = set()  # forced lengths, as for the other methods
+    engine = Engine(model, tok, EngineConfig(max_batch=_batch(reqs, args), max_seq_len=max_len,
+                                             prefill_chunk=args.prefill_chunk, device=str(model.device.type),
+                                             dtype=model.dtype))
 
     def run(t0):
         pending = sorted(reqs, key=lambda r: r.arrival)
@@ -213,7 +265,8 @@ def prepare_engine(model, tok, reqs, args):
             while pending and pending[0].arrival <= now:
                 r = pending.pop(0)
                 by_rid[str(r.idx)] = r
-                engine.add(EngineRequest(str(r.idx), r.prompt, SamplingParams(max_tokens=r.n, temperature=0.0)))
+                engine.add(EngineRequest(str(r.idx), r.prompt, SamplingParams(max_tokens=r.n, temperature=0.0),
+                                         ignore_eos=True))  # forced lengths, as for the other methods
             if not engine.has_work:
                 _wait_until(t0 + pending[0].arrival)
                 continue
@@ -224,8 +277,58 @@ def prepare_engine(model, tok, reqs, args):
     return run, lambda: model.set_attn_implementation("sdpa")
 
 
+def _batch(reqs, args) -> int:
+    """The fixed@C workload runs C requests at once; the others use --batch."""
+    return len(reqs) if args.current_workload.startswith("fixed") else args.batch
+
+
+def prepare_llamacpp(model, tok, reqs, args):
+    """A running llama.cpp server (--llamacpp-url), one streaming /completion call per request
+    at its arrival time; each token's arrival is stamped as it is read."""
+    if not args.llamacpp_url:
+        raise RuntimeError("--llamacpp-url is required for the llamacpp method")
+    url = urllib.parse.urlsplit(args.llamacpp_url)
+
+    def one(r: Req, t0: float, errors: list):
+        _wait_until(t0 + r.arrival)
+        try:
+            conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=600)
+            body = {"prompt": r.prompt, "n_predict": r.n, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                    "stream": True, "cache_prompt": False, "samplers": ["top_k"]}
+            conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+            for line in resp:
+                if not line.startswith(b"data: "):
+                    continue
+                event = json.loads(line[6:])
+                stamp = time.perf_counter()
+                n = len(event.get("tokens") or []) or (1 if event.get("content") or not event.get("stop") else 0)
+                r.times.extend([stamp] * n)
+                if event.get("stop"):
+                    break
+            conn.close()
+            del r.times[r.n:]
+            if len(r.times) != r.n:
+                raise RuntimeError(f"request {r.idx}: {len(r.times)} tokens of {r.n}")
+        except Exception as exc:
+            errors.append(exc)
+
+    def run(t0):
+        errors: list = []
+        threads = [threading.Thread(target=one, args=(r, t0, errors), daemon=True) for r in reqs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+    return run, _no_cleanup
+
+
 METHODS = {"sequential": prepare_sequential, "static": prepare_static, "hf_cb": prepare_hf_cb,
-           "engine": prepare_engine}
+           "engine": prepare_engine, "llamacpp": prepare_llamacpp}
 
 
 def summarize(reqs: list[Req], t0: float) -> dict:
@@ -240,10 +343,11 @@ def summarize(reqs: list[Req], t0: float) -> dict:
     }
 
 
-QUICK = {"static", "engine"}
+QUICK = {"static", "engine", "llamacpp"}
 
 
 def measure(name: str, kind: str, model, tok, args) -> dict:
+    args.current_workload = kind
     reqs = make_workload(kind, tok, args)
     print(f"[{kind}] {name}: {len(reqs)} requests, {sum(r.n for r in reqs)} output tokens ...", flush=True)
     load_before = os.getloadavg()[0]
@@ -267,7 +371,7 @@ def warm_up(model, tok, args):
     """First calls allocate and pick kernels; keep that out of every method's timing."""
     prompt = build_prompt_ids(tok, None, [{"role": "user", "content": "Hello"}])
     _generate(model, tok, [Req(0, 0, prompt, 4), Req(1, 0, prompt, 4)])
-    engine = Engine(model, tok, EngineConfig(max_batch=2, max_seq_len=64))
+    engine = Engine(model, tok, EngineConfig(max_batch=2, max_seq_len=64, device=model.device.type, dtype=model.dtype))
     engine.add(EngineRequest("w", prompt, SamplingParams(max_tokens=4, temperature=0.0)))
     while engine.has_work:
         engine.step()
@@ -291,19 +395,37 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="uniform workload: runs of the quick methods (static, engine); median reported")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--random-weights", default="", choices=["", *RANDOM_CONFIGS],
+                    help="random weights in a real model's shape instead of the SmolLM2 GGUF")
+    ap.add_argument("--llamacpp-url", default="", help="a running llama-server for the llamacpp method")
+    ap.add_argument("--concurrency", default="1,16,64,256", help="fixed workload: requests at once (= max_batch)")
+    ap.add_argument("--fixed-prompt", type=int, default=128)
+    ap.add_argument("--fixed-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     args = ap.parse_args()
     if args.quick:
         args.uniform_requests, args.uniform_tokens, args.mixed_requests, args.max_tokens = 4, 8, 6, 32
+        args.fixed_prompt, args.fixed_tokens, args.concurrency = 16, 8, "1,4"
         args.repeat = 1
 
-    settings = Settings(model_path=args.model_path, device="cpu", dtype="float32", torch_threads=args.threads)
-    model, tok = load_model(settings)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.random_weights:
+        model, tok = random_model(args.random_weights, args.device, resolve_dtype(args.dtype, args.device))
+    else:
+        settings = Settings(model_path=args.model_path, device=args.device, dtype=args.dtype,
+                            torch_threads=args.threads)
+        model, tok = load_model(settings)
     model.set_attn_implementation("sdpa")
     warm_up(model, tok, args)
     methods = [m for m in args.methods.split(",") if m]
     rows, results = [], {}
-    for kind in [w for w in args.workloads.split(",") if w]:
+    kinds = []
+    for w in (w for w in args.workloads.split(",") if w):
+        kinds += [f"fixed@{c}" for c in args.concurrency.split(",") if c] if w == "fixed" else [w]
+    for kind in kinds:
         results[kind] = {}
         # On the (short) uniform workload the quick methods run `--repeat` times, alternating,
         # and report their median run: the machine is shared, and alternating exposes each
@@ -334,9 +456,11 @@ def main() -> None:
                "ttft_p95_ms", "static_ttft_p95_ratio", "itl_p50_ms", "itl_p95_ms", "runs", "loadavg_1m", "error"]
     print()
     print(table(rows, columns))
+    model_name = (f"random {args.random_weights}" if args.random_weights
+                  else args.model_path or "SmolLM2-135M-Instruct (GGUF, dequantized)")
     path = write_json("engine", {
-        "baseline": "static", "model": args.model_path or "SmolLM2-135M-Instruct (GGUF, fp32, CPU)",
-        "device": "cpu", "torch_threads": torch.get_num_threads(), "args": vars(args), "results": results,
+        "baseline": "static", "model": f"{model_name} ({model.dtype})",
+        "device": args.device, "torch_threads": torch.get_num_threads(), "args": vars(args), "results": results,
         "rows": rows,
     })
     print(f"\nwrote {path}")

@@ -498,3 +498,25 @@ def test_ignore_eos_masks_eos_instead_of_emitting_it(model, tokenizer):
     outs, _ = run(engine, {0: [EngineRequest("e", prompt, greedy(10), ignore_eos=True)]})
     assert ref[3] not in tokens(outs["e"]) and tokens(outs["e"]) == forced
     assert outs["e"][-1].finish_reason == "length" and outs["e"][-1].completion_tokens == 10
+
+
+def test_decode_segments_cut_off_one_long_row():
+    from worker.engine.attention import decode_segments
+    assert decode_segments([10] * 15 + [500]) == [(0, 15, 10), (15, 16, 500)]
+    assert decode_segments([500] + [10] * 15) == [(0, 1, 500), (1, 16, 10)]
+    assert decode_segments([10, 12, 11, 9]) == [(0, 4, 12)]  # nothing worth cutting
+    assert decode_segments([7]) == [(0, 1, 7)]
+
+
+def test_long_request_in_a_high_slot_equals_generate(model, tokenizer):
+    """Short requests in low slots decode in their own segment while a long one sits in the
+    highest slot: every request still equals generate() alone."""
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=512, prefill_chunk=64))
+    short = [ids(tokenizer, p) for p in ("Hi", "Hello there", "1 2 3")]
+    long_prompt = ids(tokenizer, PROMPTS[1] * 4)
+    schedule = {0: [EngineRequest(f"s{i}", p, greedy(12)) for i, p in enumerate(short)]
+                + [EngineRequest("long", long_prompt, greedy(12))]}
+    outs, _ = run(engine, schedule)
+    for i, p in enumerate(short):
+        assert tokens(outs[f"s{i}"]) == reference(model, p, 12)
+    assert tokens(outs["long"]) == reference(model, long_prompt, 12)

@@ -6,8 +6,9 @@ projections, MLPs and RoPE run once for the whole batch. transformers' attention
 q/k/v of that packed sequence (no cache object is passed, so they do not try to update one); here
 we write the new keys/values into each request's slot of the `SlotKVCache` and attend:
 
-* decode tokens: one batched SDPA over the view `cache[:rows, :, :max_len]` with a per-row
-  length mask, queries placed at their slot's row;
+* decode tokens: batched SDPA over views `cache[a:b, :, :max_len of a..b]` with a per-row
+  length mask, queries placed at their slot's row; the slot range is cut into segments
+  (`decode_segments`) so that one long request does not make every row attend over its length;
 * prefill chunks: one SDPA per chunk against that slot's view `[:start + chunk]` with a causal
   mask offset by `start`.
 
@@ -54,6 +55,7 @@ class StepMeta:
     row_token: torch.Tensor | None = None    # long [rows]: packed token feeding each row (None = identity)
     decode_rows: torch.Tensor | None = None  # long [num_decode]: row of each decode token (None = identity)
     decode_lengths: torch.Tensor | None = None  # long [rows]: context length of each row (query at length-1)
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, max_len)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -101,10 +103,12 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         rows = meta.rows
         q_rows = q[:, : meta.num_decode] if meta.row_token is None else q.index_select(1, meta.row_token)
         q_rows = q_rows.transpose(0, 1).reshape(rows, kv_heads, groups, head_dim)
-        out = F.scaled_dot_product_attention(
-            q_rows, k_cache[:rows, :, : meta.max_len], v_cache[:rows, :, : meta.max_len],
-            attn_mask=meta.decode_mask(window), scale=scaling,
-        ).reshape(rows, heads, head_dim)
+        mask = meta.decode_mask(window)
+        outs = [F.scaled_dot_product_attention(
+            q_rows[a:b], k_cache[a:b, :, :length], v_cache[a:b, :, :length],
+            attn_mask=mask[a:b, :, :, :length], scale=scaling,
+        ) for a, b, length in meta.segments]
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs, 0)).reshape(rows, heads, head_dim)
         parts.append(out if meta.decode_rows is None else out.index_select(0, meta.decode_rows))
     offset = meta.num_decode
     for index, chunk in enumerate(meta.prefills):
@@ -118,6 +122,26 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         offset += c
     out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     return out.unsqueeze(0), None
+
+
+def decode_segments(lengths: list[int], min_saving: float = 0.25) -> list[tuple[int, int, int]]:
+    """Cut decode rows [0, len(lengths)) into at most two contiguous ranges, each attending over
+    its own longest context, when that saves at least `min_saving` of the rows x max_len work
+    (e.g. one long request in the highest slot). Contiguous ranges keep the cache views free."""
+    rows = len(lengths)
+    whole = rows * max(lengths)
+    prefix, best, cut = [], whole, 0
+    for length in lengths:
+        prefix.append(max(length, prefix[-1]) if prefix else length)
+    suffix = 0
+    for i in range(rows - 1, 0, -1):
+        suffix = max(suffix, lengths[i])
+        cost = i * prefix[i - 1] + (rows - i) * suffix
+        if cost < best:
+            best, cut = cost, i
+    if cut and best <= whole * (1 - min_saving):
+        return [(0, cut, prefix[cut - 1]), (cut, rows, max(lengths[cut:]))]
+    return [(0, rows, max(lengths))]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine import attention
-from worker.engine.attention import PrefillChunk, StepMeta
+from worker.engine.attention import PrefillChunk, StepMeta, decode_segments
 from worker.engine.kv_cache import SlotKVCache
 from worker.engine.sampling import sample
 from worker.engine.scheduler import StepPlan
@@ -32,7 +32,7 @@ class ModelRunner:
         pin = device.type == "cuda"
         # host staging: [ids, positions, slots] rows, copied to the device in one transfer
         self._host = torch.zeros(3, max_tokens, dtype=torch.long, pin_memory=pin)
-        self._dev = torch.zeros(3, max_tokens, dtype=torch.long, device=device)
+        self._dev = self._host if device.type == "cpu" else torch.zeros(3, max_tokens, dtype=torch.long, device=device)
         # A 4D tensor makes transformers return it as the "mask" untouched instead of building
         # a causal mask over the packed sequence that slot attention would not read.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
@@ -60,7 +60,8 @@ class ModelRunner:
         self._host[0, :total] = torch.tensor(ids)
         self._host[1, :total] = torch.tensor(pos)
         self._host[2, :total] = torch.tensor(slots)
-        self._dev[:, :total].copy_(self._host[:, :total], non_blocking=True)
+        if self._dev is not self._host:
+            self._dev[:, :total].copy_(self._host[:, :total], non_blocking=True)
         ids_t, pos_t, slots_t = self._dev[0, :total], self._dev[1, :total], self._dev[2, :total]
         meta = StepMeta(cache=self.cache, write_slots=slots_t, write_pos=pos_t, num_decode=len(plan.decode),
                         groups=self.groups, dtype=self.dtype, prefills=chunks)
@@ -101,3 +102,4 @@ class ModelRunner:
             meta.row_token = torch.tensor(row_token, device=self.device)
             meta.decode_rows = torch.tensor([s.slot for s in decode], device=self.device)
         meta.decode_lengths = torch.tensor(lengths, device=self.device)
+        meta.segments = decode_segments(lengths)
