@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,7 @@ async def client_main(url: str, first: int, streams: int, tokens: int, out_path:
             last: dict[str, float] = {}
             open_ids = n
             while open_ids:
-                msg = json.loads(await asyncio.wait_for(ws.recv(), 300))
+                msg = json.loads(await asyncio.wait_for(ws.recv(), 120))
                 kind = msg["type"]
                 if kind == "chunk":
                     now = time.monotonic()
@@ -81,11 +82,17 @@ async def client_main(url: str, first: int, streams: int, tokens: int, out_path:
                     totals["errors"] += 1
                     open_ids -= 1
 
+    async def guarded(job) -> None:
+        try:
+            await job
+        except Exception:               # a stream that stalls or a socket that drops: counted, not fatal
+            totals["errors"] += 1
+
     jobs, idx = [], first
     remaining = streams
     while remaining > 0:
         n = min(STREAMS_PER_SOCKET, remaining)
-        jobs.append(one_socket(idx, n))
+        jobs.append(guarded(one_socket(idx, n)))
         idx += n
         remaining -= n
     await asyncio.gather(*jobs)
@@ -160,6 +167,7 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
     tokens = max(20, int(args.seconds * 1000 / step_ms))
     port = free_port()
     procs = []
+    spy = None
     try:
         if mode == "v1":
             src = popen([sys.executable, "bench/flush.py", "--produce", "--redis", redis_url, "--prefix", prefix,
@@ -180,6 +188,11 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
         wait_ready(port, gw, gw_log)
         url = f"ws://127.0.0.1:{port}/v1/stream"
         gwp = psutil.Process(gw.pid)
+        if args.py_spy and mode == "v2" and streams == max(int(x) for x in args.streams.split(",")):
+            out = Path(args.py_spy).with_suffix(f".{streams}x{step_ms:g}ms.txt")
+            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gw.pid),
+                                    "--format", "raw", "--nonblocking", "-o", str(out)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         calls0 = redis_calls(r)
         cpu0 = gwp.cpu_times()
         t0 = time.monotonic()
@@ -196,10 +209,16 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
         for c in clients:
             c.wait(600)
         wall = time.monotonic() - t0
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)      # py-spy writes its profile on SIGINT
+            spy.wait(30)
         cpu1 = gwp.cpu_times()
         calls1 = redis_calls(r)
         gaps, tok, frames, errors = [], 0, 0, 0
         for out in outs:
+            if not out.exists():
+                errors += 1
+                continue
             data = json.loads(out.read_text())
             gaps += data["gaps"]
             tok += data["tokens"]
@@ -294,6 +313,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="client processes")
     ap.add_argument("--ttft-requests", type=int, default=23)
     ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--py-spy", default="", help="record a py-spy profile (collapsed stacks) of the v2 gateway "
+                                                 "in the largest cell to this path prefix")
     ap.add_argument("--client", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:

@@ -6,7 +6,7 @@ Exit 0 = healthy, 1 = unhealthy, with one line on stdout saying why (Docker keep
 - gateway: GET /readyz on the local port; the gateway answers 200 only while it can reach
   Redis and is not draining, so the proxy and orchestrators stop routing to it.
 - worker: the worker has no HTTP port. Its liveness signal is the registry entry it refreshes
-  every WORKER_HEARTBEAT_S with a TTL of WORKER_TTL_S (`{prefix}:worker:{id}`, shared/streams.py):
+  every WORKER_HEARTBEAT_S with a TTL of WORKER_TTL_S (`{prefix}:{w:<id>}:info`, shared/streams.py):
   if the engine thread or the Redis loop is stuck, the entry expires and the check fails; an
   engine whose every step fails (e.g. a poisoned CUDA context) marks the entry
   `state: unhealthy` with the `reason`, takes no more work, and the check fails too. The

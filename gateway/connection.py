@@ -15,14 +15,12 @@ message with an id means the message was refused and nothing was started (or res
 
 from __future__ import annotations
 
-import asyncio
-
 from starlette.websockets import WebSocketDisconnect
 
 from gateway.dispatch import MessageHandler
 from gateway.hub import Hub
 from gateway.requests import RequestTable
-from gateway.sender import Sender
+from gateway.sender import Sender, WakeEvent
 from gateway.socket_caps import SocketClaim
 from gateway.socket_io import CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, FrameSocket
 from shared.errors import ErrorCode
@@ -32,26 +30,33 @@ from shared.protocol import Error
 class Connection:
     def __init__(self, hub: Hub, socket: FrameSocket, *, key_id: str | None, claim: SocketClaim):
         self.hub = hub
-        wake = asyncio.Event()   # set whenever the sender has something to do
+        wake = WakeEvent()       # set whenever the sender has something to do
+        self.closed = False
         self.socket = socket
         self.requests = RequestTable(hub, wake)
-        self.sender = Sender(self.socket, self.requests, wake, hub.settings, hub.metrics)
+        self.sender = Sender(self.socket, self.requests, wake, hub.settings, hub.metrics,
+                             on_running=self._sender_running)
         self.handler = MessageHandler(hub, self.socket, self.sender, self.requests, key_id=key_id, claim=claim)
 
     async def run(self) -> None:
         hub = self.hub
         hub.connections.add(self)
         hub.metrics.active_sockets.inc()
-        self.sender.start()
+        hub.heartbeats.add(self, self.socket.last_send + hub.settings.heartbeat_s)
         try:
             await self.handler.read_loop()
         except WebSocketDisconnect:
             pass
         finally:
+            self.closed = True
             await self.sender.stop()
+            hub.busy.discard(self)
             await self.requests.release_all()
             hub.connections.discard(self)
             hub.metrics.active_sockets.dec()
+
+    def _sender_running(self, running: bool) -> None:
+        (self.hub.busy.add if running else self.hub.busy.discard)(self)
 
     def shut_down(self) -> None:
         """Graceful drain: tell the client to go elsewhere and resume there."""

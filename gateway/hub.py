@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission import Admission
 from gateway.auth import KeyChecker, OriginPolicy
+from gateway.heartbeats import HeartbeatWheel
 from gateway.inbox import Inbox
 from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
@@ -44,6 +45,10 @@ class Hub:
         self.origins = OriginPolicy(settings.allowed_origins)
         self.socket_caps = SocketCaps(per_key=settings.max_sockets_per_key, per_address=settings.max_sockets_per_address)
         self.connections: set[Connection] = set()
+        # sockets whose sender task runs (something to send, a request in flight): the only
+        # ones the slow-consumer and stall watchdogs need to look at; idle sockets cost nothing
+        self.busy: set[Connection] = set()
+        self.heartbeats = HeartbeatWheel(settings.heartbeat_s)
         self.draining = False
         self.gw_id = uuid.uuid4().hex[:16]      # random per process: a restart is a new gateway
         self.redis = None
@@ -70,10 +75,12 @@ class Hub:
         except (RedisError, OSError) as exc:
             log.warning("first liveness beat failed (%s); housekeeping retries", exc)
         self.reader.start()
+        self.heartbeats.start()
         self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep(), name="gateway-housekeeping")
         log.info("gateway %s started (inbox %s)", self.gw_id, self.keys.inbox(self.gw_id))
 
     async def stop(self) -> None:
+        await self.heartbeats.stop()
         if self._housekeeping:
             self._housekeeping.cancel()
             try:
@@ -118,7 +125,7 @@ class Hub:
             await asyncio.sleep(interval)
             now = time.monotonic()
             stalled: list[str] = []
-            for conn in list(self.connections):
+            for conn in list(self.busy):
                 conn.check_slow(now)
                 if s.request_stall_s > 0:
                     stalled += conn.end_stalled(now, s.request_stall_s)
@@ -127,7 +134,7 @@ class Hub:
                     self.metrics.stalled.inc(len(stalled))
                     log.warning("ended %d request(s) with no progress for %gs", len(stalled), s.request_stall_s)
                     for rid in stalled:       # a worker that wakes up must not go on for nobody
-                        await self.submitter.cancel(rid)
+                        await self.submitter.cancel_if_here(rid)
                 if now - last_beat >= s.gateway_heartbeat_s:
                     last_beat = now
                     await self.liveness.beat()

@@ -117,19 +117,18 @@ class RequestTable:
     async def finish(self, req: RequestState) -> Done:
         """The request's output is all sent: forget it here and build its `done`.
 
-        The worker released the concurrency lease with the final event; a request ended here
-        (cancel fallback: no worker confirmed) releases it here, before `done` goes out, so the
-        client may start its next request at once.
+        The lease is released here, before `done` goes out, so the client may start its next
+        request at once: the worker releases it too, but in the ack that follows the write of the
+        final event, which the client can see first (ZREM twice is harmless). A request ended
+        here (cancel fallback, stall) has no worker release at all.
         """
         done = done_frame(req, time.monotonic())
         self.hub.metrics.requests.labels(done.finish_reason).inc()
         self._detach(req)
         self._by_id.pop(req.client_id, None)
-        ended_here = req.final is not None and req.final.get("local")
         req.slot_held = False
         try:
-            if ended_here:
-                await self.hub.submitter.release(req.key_id, req.rid)
+            await self.hub.submitter.release(req.key_id, req.rid)
             await self.hub.submitter.done_here([req.rid])
         except (RedisError, OSError):
             pass  # the lease expires by itself; a stale `reqs` member is skipped at takeover
@@ -189,7 +188,9 @@ class RequestTable:
         alike) with a retryable `stalled` error; returns them so the caller cancels them."""
         stalled = []
         for req in self._by_id.values():
-            if req.final is None and not req.finished and req.accepted and now - req.progress_at > stall_s:
+            moved = req.sub is not None and req.sub.closed     # resumed on another socket of this replica
+            if (req.final is None and not req.finished and req.accepted and not moved
+                    and now - req.progress_at > stall_s):
                 req.final = {"k": "err", "seq": req.fed_seq, "code": ErrorCode.STALLED.value, "retryable": True,
                              "message": f"no output for {stall_s:g}s: the worker went silent; retry the request",
                              "local": True}

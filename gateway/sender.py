@@ -37,9 +37,22 @@ from shared.protocol import Error, Heartbeat
 log = logging.getLogger("gateway.connection")
 
 
+class WakeEvent(asyncio.Event):
+    """The sender's wake-up: setting it also starts the sender task if none is running, so an
+    idle socket needs no task at all (see heartbeats.py for how heartbeats reach it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_set = lambda: None
+
+    def set(self) -> None:
+        super().set()
+        self.on_set()
+
+
 class Sender:
-    def __init__(self, socket: FrameSocket, requests: RequestTable, wake: asyncio.Event, settings: GatewaySettings,
-                 metrics: GatewayMetrics):
+    def __init__(self, socket: FrameSocket, requests: RequestTable, wake: WakeEvent, settings: GatewaySettings,
+                 metrics: GatewayMetrics, on_running=lambda running: None):
         self.socket = socket
         self.requests = requests
         self.s = settings
@@ -53,12 +66,25 @@ class Sender:
         self._task: asyncio.Task | None = None
         self.closing: tuple[int, str] | None = None
         self._stopped = False
+        self._over = False          # the socket was closed, aborted or failed: nothing more goes out
+        self._heartbeat_due = False
+        self._on_running = on_running   # told when the sender task starts and ends (hub.busy)
+        wake.on_set = self._ensure_running
 
     # ------------------------------------------------------------------ task
 
-    def start(self) -> None:
+    def _ensure_running(self) -> None:
+        """Start the sender task unless it runs; it ends by itself once the socket is idle."""
+        if self._stopped or self._over or (self._task is not None and not self._task.done()):
+            return
         self._task = asyncio.get_running_loop().create_task(self._send_loop())
         self._task.add_done_callback(self._ended)
+        self._on_running(True)
+
+    def heartbeat(self) -> None:
+        """Called by the heartbeat wheel: nothing was sent for HEARTBEAT_S."""
+        self._heartbeat_due = True
+        self._wake.set()
 
     async def stop(self) -> None:
         self._stopped = True
@@ -79,15 +105,18 @@ class Sender:
                 pass
 
     def _ended(self, task: asyncio.Task) -> None:
+        if task is self._task:      # (a newer task may already run: it stays busy)
+            self._on_running(False)
         if task.cancelled() or task.exception() is None or self._stopped:
             return
         exc = task.exception()
+        self._over = True
+        self._discard_control()     # also releases a reader held back by backpressure, so it sees the end
         if isinstance(exc, (WebSocketDisconnect, OSError)) or self.closing is not None:
             return      # the client went away or the socket is being closed: the reader sees the disconnect
         log.error("sender failed: %r", exc, exc_info=exc)
         self.metrics.sender_failures.inc()
         self.closing = (CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value)
-        self._discard_control()
         failure = Error(code=ErrorCode.INTERNAL, message="the gateway failed to send on this socket: "
                                                          "reconnect and resume", retryable=True)
         asyncio.get_running_loop().create_task(self.socket.close(CLOSE_INTERNAL_ERROR, ErrorCode.INTERNAL.value,
@@ -152,6 +181,7 @@ class Sender:
         log.info("closing slow consumer: %s", why)
         self.metrics.slow_consumers.inc()
         self.closing = (CLOSE_TRY_AGAIN_LATER, ErrorCode.SLOW_CONSUMER.value)
+        self._over = True
         if self._task:
             self._task.cancel()
         self._discard_control()
@@ -162,17 +192,23 @@ class Sender:
     # ------------------------------------------------------------------ the loop
 
     async def _send_loop(self) -> None:
-        hb = self.s.heartbeat_s
         socket = self.socket
         while True:
-            timeout = self._next_timeout(hb)
-            if not self._wake.is_set() and timeout > 0:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+            if not self._wake.is_set():
+                if not self._control and not len(self.requests) and self.closing is None:
+                    return      # idle: no task while there is nothing to send (the wheel sends heartbeats)
+                timeout = self._next_timeout()
+                if timeout is None:
+                    await self._wake.wait()
+                elif timeout > 0:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except asyncio.TimeoutError:
+                        pass
+                else:
+                    await asyncio.sleep(0)  # never starve the loop, whatever is due
             else:
-                await asyncio.sleep(0)      # never starve the loop, whatever is due
+                await asyncio.sleep(0)
             self._wake.clear()
             now = time.monotonic()
             closing = self.closing is not None
@@ -188,23 +224,26 @@ class Sender:
                 while self._control:
                     await socket.send_payload(self._pop())
                 code, reason = self.closing
+                self._over = True
                 await socket.close(code, reason)
                 return
-            if hb > 0 and time.monotonic() - socket.last_send >= hb:
-                await socket.send(Heartbeat(ts=time.time()))
+            if self._heartbeat_due:
+                self._heartbeat_due = False
+                if time.monotonic() - socket.last_send >= self.s.heartbeat_s / 2:
+                    await socket.send(Heartbeat(ts=time.time()))
 
-    def _next_timeout(self, hb: float) -> float:
-        now = time.monotonic()
-        soonest = self.socket.last_send + hb if hb > 0 else now + 3600
+    def _next_timeout(self) -> float | None:
+        """Seconds until the soonest buffer is due; None when nothing is buffered."""
+        soonest = None
         for req in self.requests.values():
             # only what a pass can send: a request's first event may arrive before its `accepted`
             # is queued (the worker is fast), and must not turn this loop into a busy one
             if not req.accepted or req.finished:
                 continue
             d = req.buffer.deadline()
-            if d is not None and d < soonest:
+            if d is not None and (soonest is None or d < soonest):
                 soonest = d
-        return max(0.0, soonest - now)
+        return None if soonest is None else max(0.0, soonest - time.monotonic())
 
     async def _flush_request(self, req: RequestState, now: float) -> None:
         if req.buffer.due(now) or (req.final is not None and not req.buffer.empty):

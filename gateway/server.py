@@ -21,9 +21,12 @@ def build_config(settings: GatewaySettings, app=None, *, port: int | None = None
         port=settings.gateway_port if port is None else port,
         ws="websockets-sansio",
         ws_max_size=settings.ws_max_size_bytes,
+        ws_per_message_deflate=settings.ws_per_message_deflate,
         # protocol-level pings: browsers answer them without any JS, so they detect dead clients
-        ws_ping_interval=settings.heartbeat_s if settings.heartbeat_s > 0 else None,
-        ws_ping_timeout=settings.ping_timeout_s if settings.ping_timeout_s > 0 else None,
+        # end to end, through proxies. Each costs a send and a receive per socket, so they go out
+        # less often than heartbeats (WS_PING_S), which alone keep proxies from idling out.
+        ws_ping_interval=settings.ws_ping_s if settings.ws_ping_s > 0 else None,
+        ws_ping_timeout=settings.ping_timeout_s if settings.ping_timeout_s > 0 and settings.ws_ping_s > 0 else None,
         lifespan="on",
         log_level="warning",
         timeout_graceful_shutdown=10,

@@ -40,6 +40,12 @@ class GatewaySettings(Settings):
     socket_send_buffer: int = Field(0, description="SO_SNDBUF of each client socket in bytes (0 = the kernel's "
                                                    "auto-tuning, up to tcp_wmem max); bounds kernel memory per "
                                                    "non-reading client and how soon it is detected")
+    ws_ping_s: float = Field(24.0, description="WebSocket protocol ping interval (end-to-end liveness through "
+                                               "proxies; unanswered for PING_TIMEOUT_S closes the socket); "
+                                               "0 = no pings")
+    ws_per_message_deflate: bool = Field(False, description="offer WebSocket compression (permessage-deflate); "
+                                                            "costs ~46 KB of zlib state per socket and CPU per frame "
+                                                            "for little gain on short token chunks")
     ws_max_size: int = Field(0, description="WebSocket frames above this close the socket (1009); "
                                             "0 = 4 x max_frame_bytes so oversize frames up to that get a typed error")
 

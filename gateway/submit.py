@@ -161,6 +161,15 @@ class Submitter:
                               maxlen=CTL_MAXLEN, approximate=True)
         return owner
 
+    async def cancel_if_here(self, rid: str) -> bool:
+        """Cancel rid unless a client resumed it on another replica meanwhile (meta.gw moved):
+        a request this replica gave up on may be streaming happily elsewhere."""
+        gw = await self.redis.hget(self.keys.meta(rid), META_GW)
+        if gw is not None and as_str(gw) != self.gw_id:
+            return False
+        await self.cancel(rid)
+        return True
+
     # ------------------------------------------------------------------ resume
 
     async def lookup(self, rid: str) -> dict[str, str] | None:

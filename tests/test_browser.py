@@ -30,7 +30,7 @@ def browser_stack(redis_server, tiny_model_dir, tmp_path_factory):
 async def test_chat_page_streams_shows_ttft_and_stop_cancels(redis_server, browser_stack, tmp_path):
     from playwright.async_api import async_playwright, expect
 
-    settings = GatewaySettings(redis_url=redis_server.url, stream_prefix=browser_stack, heartbeat_s=5,
+    settings = GatewaySettings(redis_url=redis_server.url, stream_prefix=browser_stack, heartbeat_s=5, ws_ping_s=5,
                                ping_timeout_s=10, resume_grace_s=0)
     async with gateway_in_process(settings) as gw, async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)

@@ -19,8 +19,8 @@ from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, Sam
                             decode_event_list, encode_tok,
                             history_id)
 from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
-from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, read_events, read_inbox, submit,
-                                text_of, wait_for_tokens)
+from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, pending_after_acks, read_events,
+                                read_inbox, submit, text_of, wait_for_tokens)
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
@@ -41,14 +41,6 @@ async def submit_together(redis, keys: Keys, entries: list[RequestEntry]) -> Non
         for e in entries:
             pipe.xadd(keys.requests, {ENTRY_FIELD: e.encode()})
         await pipe.execute()
-
-
-async def wait_no_pending(redis, keys: Keys, timeout: float = 10.0) -> None:
-    """Every request acked (the ack follows the final event by one round trip)."""
-    deadline = time.monotonic() + timeout
-    while (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
 
 
 def entry(rid, **params) -> RequestEntry:
@@ -151,7 +143,7 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
             assert {e["ep"] for e in events} == {1, 2} and events[-1]["ep"] == 2
         assert "continuing" in survivor.log() and "replaying" not in survivor.log()
         assert survivor.alive()
-        await wait_no_pending(redis_client, keys)
+        assert await pending_after_acks(redis_client, keys) == 0
         # the registry no longer lists the dead worker (silent > WORKER_TTL_S), only the survivor
         await asyncio.sleep(max(0.0, killed_at + 2.5 - time.monotonic()))
         assert [w.worker_id for w in await live_workers(redis_client, keys, worker_ttl_s=2)] == \
@@ -242,7 +234,7 @@ async def test_a_stopped_worker_that_comes_back_is_fenced_off(redis_server, redi
             await asyncio.sleep(0.1)
         assert "dropping it here" in victim.log()
         assert victim.alive() and survivor.alive()
-        await wait_no_pending(redis_client, keys)
+        assert await pending_after_acks(redis_client, keys) == 0
         # the stale worker serves new work normally afterwards
         more = [new_rid() for _ in range(4)]
         for r in more:
@@ -280,7 +272,7 @@ async def test_a_killed_workers_streams_continue_within_3_s_with_default_setting
         print(f"first token after the kill: {sorted(round(g) for g in gaps)} ms")
         # target 3 s (WORKER_TTL_S = 2 s + claim + prefill); generous on a shared 2-core box
         assert max(gaps) < 4500, gaps
-        await wait_no_pending(redis_client, keys)
+        assert await pending_after_acks(redis_client, keys) == 0
     finally:
         for p in procs:
             p.stop()
@@ -479,7 +471,7 @@ async def test_redis_restart_mid_stream_loses_no_token(tiny_model_dir, tmp_path)
         assert "redis back after" in proc.log()
         ref = await submit(client, keys, prompt=PROMPT, max_tokens=600, temperature=0.0)
         assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
-        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(client, keys) == 0
         assert proc.alive()
     finally:
         proc.stop()
@@ -514,7 +506,7 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
             await asyncio.sleep(0.05)
         dead = await redis_client.xrange(keys.dead)
         assert len(dead) == 1 and b"delivered 10 times" in dead[0][1][b"reason"]
-        assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(redis_client, keys) == 0
         ok = await submit(redis_client, keys, max_tokens=5)
         assert (await read_events(redis_client, keys, ok))[-1]["k"] == "done"
     finally:
@@ -559,10 +551,7 @@ async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(
         assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
         live, _ = await read_inbox(client, keys, gw, {rid}, timeout=10)
         assert [e["seq"] for e in dedup_live(live[rid])] == [e["seq"] for e in events]
-        deadline = time.monotonic() + 10
-        while (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(client, keys) == 0
         assert await client.zscore(keys.conc("k"), rid) is None
         assert await owner_of(client, keys, rid) is None
         assert proc.alive()

@@ -437,3 +437,23 @@ async def test_resume_expired_after_output_ttl(redis_server, stream_prefix, redi
         reply = await c.recv("t")
         assert reply["type"] == "error" and reply["code"] == "resume_expired" and reply["retryable"] is False
         await c.close()
+
+
+async def test_admission_admits_exactly_max_queue_depth(redis_server, stream_prefix, redis_client):
+    """The limit is pinned: with nothing taken off the queue, exactly MAX_QUEUE_DEPTH requests
+    are accepted (within one cached backlog snapshot and across fresh reads alike)."""
+    await silent_worker(redis_client, stream_prefix)
+    for cache_ms in (60_000, 0):
+        prefix = f"{stream_prefix}{cache_ms}"
+        await silent_worker(redis_client, prefix)
+        async with gateway_in_process(settings_for(redis_server, prefix, max_queue_depth=3,
+                                                   admission_cache_ms=cache_ms)) as gw:
+            c = await GatewayClient.connect(gw.ws_url)
+            replies = []
+            for i in range(6):
+                await c.send(type="generate", id=f"q{i}", prompt="x", max_tokens=5)
+                replies.append(await c.recv(f"q{i}"))
+            assert [r["type"] for r in replies] == ["accepted"] * 3 + ["error"] * 3, (cache_ms, replies)
+            assert {r["code"] for r in replies[3:]} == {"overloaded"}
+            assert await redis_client.xlen(Keys(prefix).requests) == 3
+            await c.close()

@@ -146,6 +146,28 @@ async def test_duplicate_id_and_per_socket_cap(make_settings):
         await c.close()
 
 
+async def test_a_first_token_that_beats_accepted_does_not_freeze_the_gateway(make_settings):
+    """The worker can write a request's first token before the submit reply is back (a slow
+    reply, a fast worker): the socket's sender then holds a request with output that it may not
+    send yet, and must wait for `accepted` instead of spinning without yielding (which froze the
+    whole gateway: found by bench/fanout.py)."""
+    async with gateway_in_process(make_settings(flush_interval_ms=30)) as gw:
+        real_submit = gw.hub.submitter.submit
+
+        async def slow_reply(entry):
+            await real_submit(entry)
+            await asyncio.sleep(0.5)     # the reply is late: the worker's first tokens arrive first
+
+        gw.hub.submitter.submit = slow_reply
+        c = await GatewayClient.connect(gw.ws_url)
+        await c.send(type="generate", id="f1", prompt="Once upon a time", max_tokens=16, temperature=0.0)
+        accepted = await c.recv("f1", timeout=10)
+        assert accepted["type"] == "accepted", accepted
+        chunks, done = await c.until_done("f1", timeout=30)
+        assert done["type"] == "done" and sum(ch["tokens"] for ch in chunks) == done["usage"]["completion_tokens"]
+        await c.close()
+
+
 # ---------------------------------------------------------------------------- cancel / disconnect
 
 
@@ -253,7 +275,8 @@ async def test_unresumed_orphan_is_cancelled_after_the_grace(make_settings, redi
 
 
 async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
-    settings = make_settings(send_queue_max=64, slow_consumer_s=1.0, flush_interval_ms=0)
+    # a small SO_SNDBUF: the non-reader's sends block after ~100 KB, not after the kernel's 4 MiB
+    settings = make_settings(send_queue_max=64, slow_consumer_s=1.0, flush_interval_ms=0, socket_send_buffer=16384)
     async with gateway_in_process(settings) as gw:
         # a client that never reads: its TCP window fills, sends block, pongs pile up
         slow = await GatewayClient.connect(gw.ws_url, max_queue=1, ping_interval=None)
@@ -287,7 +310,7 @@ async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
 
 
 async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings, redis_client, worker_prefix):
-    settings = make_settings(heartbeat_s=0.3, ping_timeout_s=0.5)
+    settings = make_settings(heartbeat_s=0.3, ws_ping_s=0.3, ping_timeout_s=0.5)
     async with gateway_in_process(settings) as gw:
         idle = await GatewayClient.connect(gw.ws_url)
         msg = await idle.recv_any(timeout=3)

@@ -18,7 +18,7 @@ CLIENT_MESSAGES = [
     {"type": "generate", "id": "r1", "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "seed": 3, "stop": ["\n"]},
     {"type": "generate", "id": "r2", "messages": [{"role": "user", "content": "hello"}], "priority": "batch", "top_k": 5, "top_p": 0.9},
     {"type": "cancel", "id": "r1"},
-    {"type": "resume", "id": "r1", "last_seq": 7, "request_id": "abc"},
+    {"type": "resume", "id": "r1", "last_seq": 7, "request_id": "0123456789abcdef0123456789abcdef"},
     {"type": "ping", "nonce": 42},
     {"type": "auth", "api_key": "sk-test"},
 ]
@@ -74,6 +74,11 @@ def test_server_messages_round_trip(msg, binary):
         ({"type": "generate", "id": "a", "prompt": "x", "surprise": 1}, ErrorCode.INVALID_REQUEST),
         ({"type": "generate", "id": "a", "messages": [{"role": "wizard", "content": "y"}]}, ErrorCode.INVALID_REQUEST),
         ({"type": "resume", "id": "a", "last_seq": -1}, ErrorCode.INVALID_REQUEST),
+        ({"type": "resume", "id": "a", "last_seq": 1}, ErrorCode.INVALID_REQUEST),             # no request_id
+        ({"type": "resume", "id": "a", "request_id": "abc"}, ErrorCode.INVALID_REQUEST),      # not a server id
+        ({"type": "generate", "id": "a", "prompt": "x", "max_tokens": "10"}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": b"bytes"}, ErrorCode.INVALID_REQUEST),
+        ({"type": "ping", "nonce": "n" * 65}, ErrorCode.INVALID_REQUEST),
         ({"type": "ping", "v": 2}, ErrorCode.UNSUPPORTED_VERSION),
     ],
 )

@@ -16,9 +16,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from shared.localredis import free_port
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_attach, encode_cancel
+from shared.streams import ENTRY_FIELD, Keys, encode_attach, encode_cancel
 from tests.stack_fixtures import start_worker
-from tests.worker_redis import (check_seqs, new_rid, owner_of, read_events, read_inbox, submit, wait_for_tokens)
+from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, read_inbox, submit,
+                                wait_for_tokens)
 
 
 @pytest.fixture
@@ -86,10 +87,7 @@ async def test_worker_keeps_every_transaction_in_one_slot(cluster_mode_redis, ti
             assert events[-1]["k"] == "done", events[-1]
             if reason:
                 assert events[-1]["finish_reason"] == reason
-        deadline = time.monotonic() + 10
-        while (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] and time.monotonic() < deadline:
-            await client.ping()
-        assert (await client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+        assert await pending_after_acks(client, keys) == 0
         assert await client.zscore(keys.conc("k"), done_rid) is None
         assert await client.xlen(keys.dead) == 1
         log = proc.log()

@@ -11,7 +11,8 @@ import pytest
 from shared.backlog import live_workers, read_backlog
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_cancel
 from tests.stack_fixtures import start_worker
-from tests.worker_redis import check_seqs, new_rid, owner_of, read_events, submit, text_of, wait_for_tokens
+from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, submit, text_of,
+                                wait_for_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,7 @@ async def test_streams_tokens_and_acks(worker_env, redis_client):
     assert done["usage"]["prompt_tokens"] > 0
     assert all(e["ep"] == 1 for e in events)             # first run: epoch 1, from meta.epoch
     # acked (nothing pending), owner gone from meta, history and meta have a TTL
-    summary = await redis_client.xpending(keys.requests, CONSUMER_GROUP)
-    assert summary["pending"] == 0
+    assert await pending_after_acks(redis_client, keys) == 0
     assert await owner_of(redis_client, keys, rid) is None
     assert 0 < await redis_client.ttl(keys.out(rid)) <= 600
     assert 0 < await redis_client.ttl(keys.meta(rid)) <= 600
@@ -115,7 +115,7 @@ async def test_poison_entries_go_to_dead_letter(worker_env, redis_client):
     reasons = [f[b"reason"].decode() for _, f in dead]
     assert any("undecodable" in r for r in reasons) and any("version" in r for r in reasons)
     assert dead[0][1][b"raw"] == b"\xc1 not msgpack"
-    assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 0
+    assert await pending_after_acks(redis_client, keys) == 0
     assert proc.alive()
 
 

@@ -121,3 +121,15 @@ def check_seqs(events: list[dict]) -> None:
         assert ev["n"] >= 1 and len(ev["ids"]) == ev["n"] and ev["seq"] == seq + ev["n"], (seq, ev)
         seq = ev["seq"]
     assert events[-1]["k"] in ("done", "err") and events[-1]["seq"] == seq, events[-1]
+
+
+async def pending_after_acks(redis, keys: Keys, timeout: float = 10.0) -> int:
+    """Pending entries once the workers' acks have landed: a worker acks in the round trip
+    AFTER the final event (different slots), so a reader that just saw a final may be early."""
+    from shared.streams import CONSUMER_GROUP
+    deadline = time.monotonic() + timeout
+    while True:
+        pending = (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"]
+        if not pending or time.monotonic() > deadline:
+            return pending
+        await asyncio.sleep(0.05)

@@ -29,7 +29,7 @@ from worker.control import Control
 from worker.engine import Engine
 from worker.engine_thread import Cancel, EngineThread, notify_loop
 from worker.events import InFlight
-from worker.intake import Intake, trim_finished
+from worker.intake import Intake
 from worker.lifecycle import Lifecycle
 from worker.output_writer import OutputWriter
 from worker.redis_io import connect, with_backoff
@@ -37,8 +37,6 @@ from worker.redis_io import connect, with_backoff
 log = logging.getLogger("worker.service")
 
 BLOCKING_READ_TIMEOUT_S = 11.0   # socket timeout of the blocking readers: beyond their BLOCK_MS
-
-__all__ = ["WorkerService", "default_worker_id", "trim_finished"]
 
 
 def default_worker_id() -> str:

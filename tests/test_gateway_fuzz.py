@@ -1,0 +1,215 @@
+"""Protocol fuzzer: hypothesis generates JSON and msgpack frames (valid, mistyped, oversized,
+deeply nested, odd Unicode) against a live gateway. Every frame gets a typed answer (or none,
+for a successful `auth`), and the socket still answers a ping after it.
+
+The gateway runs in a thread with its own event loop (hypothesis drives plain functions); no
+worker is registered, so a valid `generate` is answered `overloaded` and nothing runs. Bounded
+for CI: a few hundred examples in all, frames of at most 2 x MAX_FRAME_BYTES (2 KiB here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from gateway.settings import GatewaySettings
+from shared.errors import ErrorCode
+from tests.stack_fixtures import gateway_in_process
+
+MAX_FRAME = 2048
+CODES = {c.value for c in ErrorCode}
+SERVER_TYPES = {"accepted", "chunk", "done", "error", "heartbeat", "pong"}
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+class ThreadedGateway:
+    """An in-process gateway on its own loop in a daemon thread."""
+
+    def __init__(self, gw_settings: GatewaySettings):
+        self.settings = gw_settings
+        self.ready = threading.Event()
+        self.stop = None
+        self.url = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self):
+        self.stop = asyncio.Event()
+        async with gateway_in_process(self.settings) as gw:
+            self.url, self.loop = gw.ws_url, asyncio.get_running_loop()
+            self.ready.set()
+            await self.stop.wait()
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.ready.wait(30), "gateway did not start"
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(30)
+
+
+class Probe:
+    """One client socket (re-opened if the server closes it) that sends a frame and collects
+    everything the server answers before the pong of a follow-up ping."""
+
+    def __init__(self, url: str, binary: bool):
+        self.url, self.binary = url, binary
+        self.nonces = itertools.count()
+        self.ws = None
+
+    def _open(self):
+        proto = "llm-stream.msgpack" if self.binary else "llm-stream.json"
+        self.ws = connect(self.url, subprotocols=[proto], max_size=None, open_timeout=10).__enter__()
+
+    def _decode(self, raw):
+        return msgpack.unpackb(raw) if isinstance(raw, bytes) else json.loads(raw)
+
+    def exchange(self, frame: str | bytes) -> list[dict]:
+        if self.ws is None:
+            self._open()
+        nonce = next(self.nonces)
+        ping = {"type": "ping", "nonce": nonce}
+        self.ws.send(frame)
+        self.ws.send(msgpack.packb(ping) if self.binary else json.dumps(ping))
+        replies = []
+        while True:
+            try:
+                msg = self._decode(self.ws.recv(timeout=10))
+            except TimeoutError:
+                raise AssertionError(f"no pong after {frame[:80]!r}: the socket went silent") from None
+            except ConnectionClosed as exc:
+                self.ws = None
+                raise AssertionError(f"socket closed after {frame[:80]!r}: {exc}") from None
+            assert isinstance(msg, dict) and msg.get("type") in SERVER_TYPES, msg
+            if msg["type"] == "pong" and msg.get("nonce") == nonce:
+                return replies
+            replies.append(msg)
+
+    def close(self):
+        if self.ws is not None:
+            self.ws.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_server):
+    import uuid
+    gw_settings = GatewaySettings(redis_url=redis_server.url, stream_prefix=f"fz{uuid.uuid4().hex[:8]}",
+                                  heartbeat_s=0, ping_timeout_s=0, max_frame_bytes=MAX_FRAME,
+                                  send_queue_max=10_000, send_queue_max_bytes=10_000_000, resume_rate_per_min=0)
+    with ThreadedGateway(gw_settings) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def probes(gateway):
+    made = {False: Probe(gateway.url, False), True: Probe(gateway.url, True)}
+    yield made
+    for p in made.values():
+        p.close()
+
+
+def check_typed(frame_obj, replies: list[dict]) -> None:
+    """Each reply is a well-formed server message; an error carries a known code; only a
+    successful `auth` may go unanswered."""
+    for msg in replies:
+        if msg["type"] == "error":
+            assert msg["code"] in CODES and isinstance(msg["message"], str) and isinstance(msg["retryable"], bool), msg
+    is_auth = isinstance(frame_obj, dict) and frame_obj.get("type") == "auth"
+    assert replies or is_auth, f"no answer to {str(frame_obj)[:120]}"
+
+
+# ---------------------------------------------------------------- strategies
+
+IDS = st.from_regex(r"[A-Za-z0-9_.:\-]{1,64}", fullmatch=True)
+ODD_TEXT = st.text(st.characters(codec=None), max_size=40)      # includes lone surrogates, NUL, RTL, emoji
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                    st.floats(allow_nan=False, allow_infinity=False), ODD_TEXT)
+JSONISH = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(ODD_TEXT, inner, max_size=4)), max_leaves=12)
+
+VALID = st.one_of(
+    st.fixed_dictionaries({"type": st.just("generate"), "id": IDS, "prompt": st.text(max_size=50)},
+                          optional={"max_tokens": st.integers(1, 64), "temperature": st.floats(0, 2),
+                                    "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 1000),
+                                    "seed": st.integers(0, 2**63 - 1), "stop": st.lists(st.text(min_size=1, max_size=8),
+                                                                                       max_size=8),
+                                    "priority": st.sampled_from(["interactive", "batch"]), "v": st.just(1)}),
+    st.fixed_dictionaries({"type": st.just("generate"), "id": IDS,
+                           "messages": st.lists(st.fixed_dictionaries({
+                               "role": st.sampled_from(["system", "user", "assistant"]),
+                               "content": st.text(max_size=30)}), min_size=1, max_size=3)}),
+    st.fixed_dictionaries({"type": st.just("cancel"), "id": IDS}),
+    st.fixed_dictionaries({"type": st.just("resume"), "id": IDS, "last_seq": st.integers(0, 10**6),
+                           "request_id": st.from_regex(r"[0-9a-f]{32}", fullmatch=True)}),
+    st.fixed_dictionaries({"type": st.just("auth"), "api_key": st.text(min_size=1, max_size=40)}),
+    st.fixed_dictionaries({"type": st.just("ping")}, optional={"nonce": st.one_of(st.integers(-2**53, 2**53),
+                                                                                 st.text(max_size=64))}),
+)
+FIELDS = ["type", "id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+          "priority", "last_seq", "request_id", "nonce", "api_key", "v"]
+MISTYPED = st.builds(lambda base, field, value: {**base, field: value},
+                     VALID, st.sampled_from(FIELDS), JSONISH)
+
+
+@st.composite
+def deep(draw):
+    depth = draw(st.integers(1, 5000))
+    inner = draw(st.sampled_from(["[", '{"a":']))
+    close = "]" if inner == "[" else "}"
+    return '{"type":"ping","nonce":' + inner * depth + "1" + close * depth + "}"
+
+
+# ---------------------------------------------------------------- the properties
+
+@FUZZ
+@given(obj=st.one_of(VALID, MISTYPED, JSONISH))
+def test_json_frames_get_typed_answers(probes, obj):
+    frame = json.dumps(obj, ensure_ascii=True)     # lone surrogates travel as \\udxxx escapes
+    replies = probes[False].exchange(frame)
+    if len(frame) > MAX_FRAME:
+        assert any(r.get("code") == "frame_too_large" for r in replies), replies
+    check_typed(obj, replies)
+
+
+@FUZZ
+@given(obj=st.one_of(VALID, MISTYPED, JSONISH))
+def test_msgpack_frames_get_typed_answers(probes, obj):
+    frame = msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")   # invalid UTF-8 possible
+    check_typed(obj, probes[True].exchange(frame))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(frame=deep())
+def test_deeply_nested_frames_get_typed_answers(probes, frame):
+    if len(frame.encode()) > 2 * MAX_FRAME:
+        frame = frame[:2 * MAX_FRAME]             # truncated: no longer JSON, still must be answered
+    replies = probes[False].exchange(frame)
+    check_typed(None, replies)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(blob=st.binary(max_size=2 * MAX_FRAME), text=st.text(st.characters(codec="utf-8"), max_size=2 * MAX_FRAME))
+def test_random_bytes_and_text_get_typed_answers(probes, blob, text):
+    check_typed(None, probes[True].exchange(blob))
+    check_typed(None, probes[False].exchange(text))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(size=st.integers(MAX_FRAME - 64, 2 * MAX_FRAME), binary=st.booleans())
+def test_oversized_frames_get_frame_too_large(probes, size, binary):
+    obj = {"type": "generate", "id": "big", "prompt": "x" * size}
+    frame = msgpack.packb(obj) if binary else json.dumps(obj)
+    replies = probes[binary].exchange(frame)
+    check_typed(obj, replies)
+    if len(frame) > MAX_FRAME:
+        assert [r["code"] for r in replies] == ["frame_too_large"], replies
