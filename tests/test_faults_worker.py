@@ -117,7 +117,8 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         ev_seeded = await read_events(redis_client, keys, seeded, timeout=60)
         ev_rnd = await read_events(redis_client, keys, rnd, timeout=60)
         # random sampling: finished normally, the delivered events untouched, the rest from epoch 2
-        assert ev_rnd[-1]["k"] == "done" and ev_rnd[-1]["usage"]["completion_tokens"] == 600, ev_rnd[-1]
+        # (a random run may sample EOS before 600 tokens: "stop")
+        assert ev_rnd[-1]["k"] == "done" and ev_rnd[-1]["usage"]["completion_tokens"] == ev_rnd[-1]["seq"], ev_rnd[-1]
         check_seqs(ev_rnd)
         k = len(before[rnd])
         assert [e["_id"] for e in ev_rnd[:k]] == [e["_id"] for e in before[rnd]]
@@ -219,7 +220,7 @@ async def test_a_stopped_worker_that_comes_back_is_fenced_off(redis_server, redi
         finally:
             victim.signal(signal.SIGCONT)
         events = await read_events(redis_client, keys, rid, timeout=120)
-        assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 1500, events[-1]
+        assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == events[-1]["seq"], events[-1]
         check_seqs(events)
         eps = [e["ep"] for e in events]
         assert eps == sorted(eps) and set(eps) == {1, 2}
@@ -266,8 +267,8 @@ async def test_a_killed_workers_streams_continue_within_3_s_with_default_setting
         gaps = []
         for rid in rids:
             events = await read_events(redis_client, keys, rid, timeout=120)
-            check_seqs(events)
-            assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == 1500
+            check_seqs(events)       # random sampling may end with EOS ("stop") before 1500 tokens
+            assert events[-1]["k"] == "done" and events[-1]["usage"]["completion_tokens"] == events[-1]["seq"]
             gaps.append(next(e for e in events if e["ep"] == 2)["ms"] - killed_ms)
         print(f"first token after the kill: {sorted(round(g) for g in gaps)} ms")
         # target 3 s (WORKER_TTL_S = 2 s + claim + prefill); generous on a shared 2-core box
