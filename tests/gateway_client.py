@@ -61,6 +61,16 @@ class GatewayClient:
         await self.ws.close()
 
 
+async def eventually(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll `predicate()` until it is true or `timeout` passes; its last value."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return bool(predicate())
+        await asyncio.sleep(interval)
+    return True
+
+
 # ---------------------------------------------------------------- a raw socket (blocking; use in a thread)
 
 def open_raw_socket(host: str, port: int, *, rcvbuf: int | None = None, path: str = "/v1/stream",

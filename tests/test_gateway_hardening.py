@@ -20,7 +20,7 @@ import websockets
 from gateway.auth import hash_key
 from gateway.settings import GatewaySettings
 from shared.streams import Keys
-from tests.gateway_client import GatewayClient, masked_frame, open_raw_socket, read_until_reset, send_until_blocked
+from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, read_until_reset, send_until_blocked
 from tests.stack_fixtures import gateway_in_process
 
 
@@ -88,10 +88,7 @@ async def test_a_failing_sender_closes_the_socket_with_a_typed_error(redis_serve
 
     async with gateway_in_process(settings_for(redis_server, stream_prefix, heartbeat_s=0.2)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        for _ in range(100):
-            if gw.hub.connections:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: gw.hub.connections, timeout=1)
         conn = next(iter(gw.hub.connections))
         real = FrameSocket.send_payload
         failed = []
@@ -108,10 +105,7 @@ async def test_a_failing_sender_closes_the_socket_with_a_typed_error(redis_serve
         assert reply["type"] == "error" and reply["code"] == "internal" and reply["retryable"] is True
         assert await closed_with(c) == 1011
         assert failed and gw.hub.metrics.sender_failures._value.get() == 1
-        for _ in range(100):
-            if not gw.hub.connections:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: not gw.hub.connections, timeout=2)
         assert not gw.hub.connections
 
 
@@ -209,10 +203,7 @@ async def test_a_client_that_stops_reading_holds_bounded_control_bytes_and_is_cl
             await asyncio.sleep(0.01)
         assert gw.hub.metrics.slow_consumers._value.get() == 1
         assert 0 < peak <= bound, peak
-        for _ in range(200):                    # the socket is really gone on the server
-            if not gw.hub.connections:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: not gw.hub.connections, timeout=10)     # the socket is really gone on the server
         assert not gw.hub.connections and gw.hub.metrics.control_queue_bytes._value.get() == 0
         await flooder
         assert await asyncio.to_thread(read_until_reset, sock), "the server did not drop the connection"
@@ -237,10 +228,7 @@ async def test_sockets_per_address_and_per_key_are_capped(redis_server, stream_p
         assert err["code"] == "too_many_sockets"
         await closed_with(browser)
         await a.close()
-        for _ in range(100):
-            if gw.hub.socket_caps.by_key.get("team", 0) < 2:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: gw.hub.socket_caps.by_key.get("team", 0) < 2, timeout=2)
         c = await GatewayClient.connect(gw.ws_url, headers=headers)                  # a slot is free again
         await assert_alive(c)
         d = await GatewayClient.connect(gw.ws_url)                                   # 3rd of the address (b, c, d)

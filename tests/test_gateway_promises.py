@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from gateway.settings import GatewaySettings
-from tests.gateway_client import GatewayClient, masked_frame, open_raw_socket, send_until_blocked
+from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, send_until_blocked
 from tests.stack_fixtures import gateway_in_process, start_worker
 
 LONG = 1500
@@ -73,10 +73,7 @@ async def test_a_client_that_stops_reading_is_closed_as_slow_consumer(make_setti
         while gw.hub.metrics.slow_consumers._value.get() < 1 and time.monotonic() - t0 < 90:
             await asyncio.sleep(0.1)
         assert gw.hub.metrics.slow_consumers._value.get() == 1, "the non-reading client was never closed"
-        for _ in range(100):
-            if len(gw.hub.connections) == 1:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: len(gw.hub.connections) == 1, timeout=5)
         assert len(gw.hub.connections) == 1                  # only the reading client remains
         print(f"non-reading client dropped after {time.monotonic() - t0:.1f}s")
         sock.close()
