@@ -7,7 +7,9 @@ Exit 0 = healthy, 1 = unhealthy, with one line on stdout saying why (Docker keep
   Redis and is not draining, so the proxy and orchestrators stop routing to it.
 - worker: the worker has no HTTP port. Its liveness signal is the registry entry it refreshes
   every WORKER_HEARTBEAT_S with a TTL of WORKER_TTL_S (`{prefix}:{w:<id>}:info`, shared/streams.py):
-  if the engine thread or the Redis loop is stuck, the entry expires and the check fails. The
+  if the engine thread or the Redis loop is stuck, the entry expires and the check fails; an
+  engine whose every step fails (e.g. a poisoned CUDA context) marks the entry
+  `state: unhealthy` with the `reason`, takes no more work, and the check fails too. The
   container's WORKER_ID defaults to its hostname (see deploy/worker.Dockerfile) so the check
   knows which entry is its own.
 
@@ -45,10 +47,14 @@ def check_worker() -> tuple[bool, str]:
     key = Keys(settings.stream_prefix).worker(worker_id)
     try:
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
-        alive = bool(client.exists(key))
+        info = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
     except Exception as exc:
         return False, f"redis unreachable: {exc}"
-    return alive, f"registry entry {key} {'present' if alive else 'missing (heartbeat stale)'}"
+    if not info:
+        return False, f"registry entry {key} missing (heartbeat stale)"
+    if info.get("state") == "unhealthy":
+        return False, f"engine unhealthy: {info.get('reason', '')}"
+    return True, f"registry entry {key} present ({info.get('state', '')})"
 
 
 def main(argv: list[str]) -> int:

@@ -25,8 +25,9 @@ class Settings(BaseSettings):
     output_maxlen: int = Field(20000, description="approximate MAXLEN of one request's output stream")
     request_stream_maxlen: int = Field(100000, description="approximate MAXLEN of the request stream")
     claim_idle_ms: int = Field(15000, description="pending requests idle this long are claimed by another worker")
-    worker_heartbeat_s: float = Field(2.0, description="how often a worker refreshes its registry entry")
-    worker_ttl_s: float = Field(10.0, description="a worker silent this long is considered dead")
+    worker_heartbeat_s: float = Field(0.5, description="how often a worker refreshes its registry entry")
+    worker_ttl_s: float = Field(2.0, description="a worker silent this long is considered dead: "
+                                                 "survivors claim its requests at once")
 
     # --- Limits (enforced by the gateway, re-checked by the worker) ---
     max_tokens_cap: int = Field(2048, description="server cap on max_tokens")
@@ -59,9 +60,13 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch: int = Field(16, description="max requests in the running batch")
+    worker_queue_depth: int = Field(16, description="requests a worker takes beyond its running batch, queued in "
+                                                    "its engine so that admission follows priority lanes")
     max_seq_len: int = Field(2048, description="max prompt + output tokens of one request")
     kv_cache_tokens: int = Field(0, description="KV-cache token budget for admission; 0 = max_batch * max_seq_len")
     prefill_chunk: int = Field(256, description="prompt tokens processed per step (chunked prefill)")
+    lane_aging_steps: int = Field(256, description="a batch request that waited this many engine steps is served "
+                                                   "as interactive (batch work always progresses)")
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch default")
     shutdown_grace_s: float = Field(30.0, description="on SIGTERM a worker finishes running requests this long, then hands the rest back")
     max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")

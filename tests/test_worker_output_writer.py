@@ -24,7 +24,7 @@ async def pending_request(redis, keys: Keys, rid: str, key_id: str = "k") -> InF
     await redis.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
     resp = await redis.xreadgroup(CONSUMER_GROUP, "w", {keys.requests: ">"}, count=1)
     await redis.zadd(keys.conc(key_id), {rid: 1})
-    await redis.hset(keys.meta(rid), "owner", "w")
+    await redis.hset(keys.meta(rid), mapping={"owner": "w", "epoch": 1})
     return InFlight.start(rid, resp[0][1][0][0].decode(), entry, Progress(), epoch=1)
 
 
@@ -100,6 +100,8 @@ async def test_one_round_trip_carries_many_requests_to_one_inbox_entry(redis_cli
     writer = OutputWriter(redis_client, keys, Settings(stream_prefix=stream_prefix), "w")
     states = [InFlight.start(f"r{i}", f"{i}-0", None, Progress(), epoch=1, gw="g") for i in range(5)]
     for st in states:
+        await redis_client.hset(keys.meta(st.rid), "epoch", 1)
+    for st in states:
         for i in range(1, n + 1):
             st.add_output(tok(st.rid, i))
     before = time.monotonic()
@@ -109,3 +111,42 @@ async def test_one_round_trip_carries_many_requests_to_one_inbox_entry(redis_cli
     assert len(entries) == 1
     assert sorted(e["rid"] for e in decode_event_list(entries[0][1][ENTRY_FIELD])) == [st.rid for st in states]
     assert all(st.written_seq == n for st in states)
+
+
+async def test_history_writes_are_fenced_by_epoch_and_conflicts_are_not_success(redis_client, stream_prefix):
+    """A worker whose request was taken over (meta.epoch bumped by the claim) is refused in
+    Redis: nothing of it reaches history or the gateway's inbox, it is not acked, and it drops
+    the request. An event id already taken by a DIFFERENT event is a conflict, not a success;
+    only a byte-identical entry (our own retry after a lost reply) counts as written."""
+    keys = Keys(stream_prefix)
+    dropped: list = []
+    writer = OutputWriter(redis_client, keys, Settings(stream_prefix=stream_prefix), "w", on_fenced=dropped.append)
+    st = await pending_request(redis_client, keys, "rf")
+    st.add_output(tok("rf", 1))
+    await writer.commit([st])
+    assert st.written_seq == 1
+    # another worker claims it: epoch 2, and it continues: writes token 2
+    await redis_client.hincrby(keys.meta("rf"), "epoch", 1)
+    other = InFlight.start("rf", st.entry_id, st.entry, Progress(seq=1), epoch=2, gw="g")
+    other.add_output(tok("rf", 2))
+    await writer.commit([other])
+    # the stale writer comes back with tokens 2..3 and a final
+    st.add_output(tok("rf", 2))
+    st.add_output(tok("rf", 3))
+    st.add_output(StepOutput("rf", "", [], True, "length", 1, 3))
+    assert await writer.commit([st]) == []
+    assert dropped == [st] and st.fenced and writer.stats["fenced"] == 1
+    assert await writer.commit([st]) == [] and dropped == [st]          # and it writes nothing more
+    events = await read_events(redis_client, keys, "rf", until_final=False, timeout=2)
+    assert [(e["seq"], e["ep"]) for e in events] == [(1, 1), (2, 2)]
+    inbox = [e for _, f in await redis_client.xrange(keys.inbox("g")) for e in decode_event_list(f[ENTRY_FIELD])]
+    assert [(e["seq"], e["ep"]) for e in inbox] == [(1, 1), (2, 2)]
+    assert (await redis_client.xpending(keys.requests, CONSUMER_GROUP))["pending"] == 1   # not acked
+    assert await redis_client.zscore(keys.conc("k"), "rf") is not None                   # lease kept
+
+    # same epoch, an id already holding a different event: CONFLICT, the request is not confirmed
+    clash = InFlight.start("rf", st.entry_id, st.entry, Progress(seq=1), epoch=2, gw="")
+    clash.add_output(StepOutput("rf", " other", [77], False, None, 1, 2))
+    assert await writer.commit([clash]) == []
+    assert clash.written_seq == 1 and clash.failures == 1 and not clash.fenced
+    # (our own event written again, a retry whose reply was lost, is success: the first test)

@@ -18,12 +18,16 @@ def entry(**params) -> RequestEntry:
 
 
 def test_failover_decisions():
-    assert decide(entry(temperature=0.7), Progress()).action == "run"
-    assert decide(entry(temperature=0.7), Progress(seq=3, finished=True)).action == "ack"
-    d = decide(entry(temperature=0.0), Progress(seq=5))
-    assert (d.action, d.skip_tokens) == ("replay", 5)
-    assert decide(entry(temperature=0.7, seed=3), Progress(seq=4)).action == "replay"
-    assert decide(entry(temperature=0.7), Progress(seq=4)).action == "lost"
+    tok = lambda seq, ids: {"k": "tok", "seq": seq, "n": len(ids), "ids": ids}
+    assert decide(entry(temperature=0.7), Progress(), []).action == "run"
+    assert decide(entry(temperature=0.7), Progress(seq=3, finished=True), []).action == "ack"
+    history = [tok(2, [5, 6]), tok(5, [7, 8, 9])]
+    for params in (dict(temperature=0.0), dict(temperature=0.7, seed=3), dict(temperature=1.0)):
+        d = decide(entry(**params), Progress(seq=5), history)   # random sampling too: continue exactly
+        assert (d.action, d.generated_ids) == ("continue", [5, 6, 7, 8, 9])
+    # a history that does not cover 1..seq (trimmed, or events without ids) cannot be continued
+    assert decide(entry(temperature=1.0), Progress(seq=5), history[1:]).action == "lost"
+    assert decide(entry(temperature=1.0), Progress(seq=5), [tok(2, [5, 6]), {"k": "tok", "seq": 5, "n": 3}]).action == "lost"
 
 
 def out(text, ids, fin=False, reason=None):
@@ -101,15 +105,15 @@ async def test_trim_keeps_pending_and_undelivered(redis_client, stream_prefix):
     assert await redis_client.xlen(keys.requests) == 0
 
 
-def test_synthetic_engine_paces_steps_replays_identically_and_cancels():
+def test_synthetic_engine_paces_steps_continues_and_cancels():
     from worker.engine import EngineRequest
     from worker.synthetic import SyntheticEngine
 
     eng = SyntheticEngine(max_batch=2, step_ms=5)
     params = SamplingParams(max_tokens=6)
     eng.add(EngineRequest("a", [1], params))
-    eng.add(EngineRequest("b", [1], params, skip_tokens=4))      # a replay: first 4 tokens suppressed
-    eng.add(EngineRequest("c", [1], params))                      # waits: batch is 2
+    eng.add(EngineRequest("b", [1], params, generated_ids=[0, 0, 0, 0]))   # a continuation after 4 tokens
+    eng.add(EngineRequest("c", [1], params))                      # waits: batch is 2, b's slot frees first
     t0 = time.monotonic()
     outs = []
     for _ in range(6):
@@ -120,6 +124,8 @@ def test_synthetic_engine_paces_steps_replays_identically_and_cancels():
     assert len(a) == 6 and a[-1].finished and a[-1].finish_reason == "length"
     assert [o.token_ids for o in b] == [o.token_ids for o in a[4:]] and [o.text for o in b] == [o.text for o in a[4:]]
     assert all(o.text for o in a)
-    assert eng.num_running == 0 and eng.num_waiting == 1 and eng.cancel("c") and not eng.cancel("zz")
+    c = [o for o in outs if o.rid == "c"]
+    assert 1 <= len(c) < 6 and not c[-1].finished                 # admitted when b (2 tokens to go) ended
+    assert eng.num_running == 1 and eng.num_waiting == 0 and eng.cancel("c") and not eng.cancel("zz")
     final = eng.step()
     assert [(o.rid, o.finish_reason) for o in final] == [("c", "cancelled")] and not eng.has_work

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from shared.errors import ErrorCode
@@ -22,11 +22,13 @@ from worker.engine import Engine, EngineRejected, EngineRequest, StepOutput, bui
 
 log = logging.getLogger("worker.engine")
 
+FAILED_STEPS_UNHEALTHY = 3   # consecutive steps that only failed before the engine is declared unhealthy
+
 
 @dataclass
 class Add:
     entry: RequestEntry
-    skip_tokens: int = 0
+    generated_ids: list[int] = field(default_factory=list)  # continuation: tokens an earlier run delivered
 
 
 @dataclass
@@ -60,6 +62,11 @@ class EngineThread:
         self.waiting = 0
         self.kv_used = 0
         self.kv_total = engine.kv_tokens_total
+        # health: consecutive steps whose every output was an internal error (a poisoned CUDA
+        # context fails every forward pass; the engine catches that and fails the step's
+        # requests, so the thread itself stays alive and only its outputs tell)
+        self.failed_steps = 0
+        self.unhealthy_reason = ""
 
     # ---- called from the asyncio side -----------------------------------------------------
 
@@ -114,6 +121,7 @@ class EngineThread:
                 except Exception:  # the engine catches forward errors itself; this is a last resort
                     log.exception("engine step raised; failing its requests")
                     produced.extend(self._fail_all())
+            self._check_health(produced)
             produced = [o for o in produced if not self._swallow(o)]
             self.running, self.waiting = self.engine.num_running, self.engine.num_waiting
             self.kv_used = self.engine.kv_tokens_used
@@ -126,6 +134,19 @@ class EngineThread:
             # control stream is then in the inbox before the next step, instead of waiting out
             # the interpreter's 5 ms switch interval while short steps run back to back.
             time.sleep(0)
+
+    def _check_health(self, produced: list[StepOutput]) -> None:
+        if any(o.token_ids for o in produced):
+            self.failed_steps = 0
+            return
+        failed = [o for o in produced if o.error_code == ErrorCode.INTERNAL]
+        if not failed:
+            return
+        self.failed_steps += 1
+        if self.failed_steps >= FAILED_STEPS_UNHEALTHY and not self.unhealthy_reason:
+            self.unhealthy_reason = (f"{self.failed_steps} engine steps in a row failed: "
+                                     f"{failed[-1].error_message or 'internal error'}")[:500]
+            log.critical("engine unhealthy, taking no more work: %s", self.unhealthy_reason)
 
     def _apply(self, command: Add | Cancel) -> list[StepOutput]:
         if isinstance(command, Cancel):
@@ -142,7 +163,7 @@ class EngineThread:
                                  f"prompt is {len(ids)} tokens, the limit is {self.max_prompt_tokens}", len(ids))]
         try:
             self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,
-                                          priority=entry.priority, skip_tokens=command.skip_tokens))
+                                          priority=entry.priority, generated_ids=list(command.generated_ids)))
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids))]
         except Exception as exc:  # a bug or odd input must fail this request only

@@ -71,6 +71,7 @@ class InFlight:
     failures: int = 0                    # consecutive refused writes
     retry_at: float = 0.0
     given_up: bool = False
+    fenced: bool = False                 # another worker took it over: write nothing more
     ttl_set: bool = False                # this run has set the history stream's TTL
     dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
 

@@ -1,17 +1,18 @@
 """What a worker does with a request another worker already started (or that keeps failing).
 
 A request entry stays pending in the consumer group until the worker that runs it acks it with
-its final event. If that worker dies, another one claims the entry (XAUTOCLAIM after
-`claim_idle_ms`) and looks at the request's history stream `p:{r:rid}:out` (its last event's `seq` = tokens delivered):
+its final event. If that worker dies, another one claims the entry and reads the request's
+history stream `p:{r:rid}:out` (every token event carries the token `ids` it delivered):
 
 * nothing written yet: run it normally;
 * a final event is there: the old worker finished but died before the ack; just ack;
-* tokens were written and sampling is deterministic (greedy, or seeded): **replay** with
-  `skip_tokens` = tokens already delivered. The engine regenerates the same tokens, suppresses
-  the delivered ones, and `seq` continues, so the client sees one seamless stream;
-* tokens were written and sampling is random: a replay would diverge from what the client has
-  already shown, so the request ends with a retryable `worker_lost` error instead of a
-  silently different continuation.
+* tokens were written: **continue** from prompt + the delivered token ids (the engine's
+  `generated_ids`: one prefill of prompt and delivered tokens, then decoding goes on). The client
+  keeps exactly what it was shown and `seq` continues; this is exact by construction whatever
+  the sampling (random, seeded, greedy) and whatever the kernels do, and cheaper than decoding
+  the delivered tokens again;
+* the history is incomplete (trimmed or expired: its token ids do not cover 1..seq): there is
+  nothing exact to continue from, so the request ends with a retryable `worker_lost` error.
 
 Entries that cannot be decoded or validated, and entries delivered more than `max_deliveries`
 times (a request that crashes every worker that takes it), go to the dead-letter stream
@@ -21,7 +22,7 @@ their rid is known — they are never retried forever.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgpack
@@ -35,22 +36,38 @@ DEAD_MAXLEN = 10000
 
 @dataclass
 class Decision:
-    action: Literal["run", "replay", "ack", "lost"]
-    skip_tokens: int = 0
+    action: Literal["run", "continue", "ack", "lost"]
+    generated_ids: list[int] = field(default_factory=list)   # "continue": the delivered token ids
 
 
-def decide(entry: RequestEntry, progress: Progress) -> Decision:
+def delivered_ids(history: list[dict]) -> list[int] | None:
+    """The token ids of a history's token events, in order; None unless they cover tokens
+    1..seq exactly (every event's ids end at its seq, no gap, no overlap)."""
+    ids: list[int] = []
+    for ev in history:
+        if ev.get("k") != "tok":
+            continue
+        got = ev.get("ids")
+        if not isinstance(got, list) or int(ev.get("seq") or 0) != len(ids) + len(got):
+            return None
+        ids.extend(int(i) for i in got)
+    return ids
+
+
+def decide(entry: RequestEntry, progress: Progress, history: list[dict]) -> Decision:
+    """What to do with a request taken over with this history (its events, oldest first)."""
     if progress.finished:
         return Decision("ack")
     if progress.seq == 0:
         return Decision("run")
-    if entry.params.deterministic:
-        return Decision("replay", skip_tokens=progress.seq)
-    return Decision("lost")
+    ids = delivered_ids(history)
+    if ids is None or len(ids) != progress.seq:
+        return Decision("lost")
+    return Decision("continue", generated_ids=ids)
 
 
-LOST_MESSAGE = ("the worker running this request stopped mid-generation and sampling is random, so it "
-                "cannot be continued identically; send it again")
+LOST_MESSAGE = ("the worker running this request stopped mid-generation and the request's history "
+                "is incomplete (expired or trimmed), so it cannot be continued exactly; send it again")
 
 
 def _field_of_raw(raw: bytes | None, name: str) -> str | None:

@@ -4,11 +4,15 @@ Why its own module: ownership of a request entry is decided here and only here.
 
 * intake: XREADGROUP only as many new entries as the engine has free slots (an idle worker
   elsewhere gets the rest instead of this one hoarding them);
-* claim: XAUTOCLAIM of entries idle for `claim_idle_ms` (their worker died or handed them back),
-  see worker.failover for what happens to a request another worker started;
+* claim: the entries of a worker whose registry heartbeat lapsed (`worker_ttl_s`) at once, ahead
+  of new intake; XAUTOCLAIM (following its cursor) of entries idle for `claim_idle_ms` for the
+  rest (hand-backs, workers gone from the registry); see worker.failover for what happens to a
+  request another worker started. A dead worker with nothing left pending is forgotten
+  (registry entry, control stream, group consumer);
 * accept: one MULTI on the request's slot {r:rid} sets meta.owner, bumps meta.epoch, reads the
-  cancel flag, the last history event (progress) and meta.gw / meta.att (where live events go;
-  whether someone resumed, so an attach marker goes first);
+  cancel flag, the history (progress, and the delivered token ids a continuation starts from)
+  and meta.gw / meta.att (where live events go; whether someone resumed, so an attach marker
+  goes first);
 * keep-fresh: XCLAIM ... JUSTID of our own pending entries resets their idle time, so a slow
   but healthy worker's requests are never claimed away; notices requests claimed away anyway
   (after a long stall) and drops them; polls the cancel flags;
@@ -28,7 +32,7 @@ from redis.exceptions import ResponseError
 from shared.errors import ErrorCode
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_ATT, META_EPOCH, META_GW, META_KEY, META_OWNER,
                             RequestEntry, as_str, decode_event)
-from worker import failover
+from worker import failover, registry
 from worker.engine_thread import Add, Cancel
 from worker.events import InFlight, progress_from_last
 from worker.output_writer import DeadLetter
@@ -41,6 +45,8 @@ log = logging.getLogger("worker.intake")
 
 BLOCK_MS = 1000          # XREAD BLOCK of the intake loop (bounds SIGTERM reaction)
 TRIM_EVERY_S = 10.0
+DEAD_CHECK_S = 0.25      # how often the registry is checked for workers whose heartbeat lapsed
+MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
 
 
 async def trim_finished(redis, keys, *, approximate: bool = True) -> str | None:
@@ -66,6 +72,7 @@ class Intake:
         self.svc = svc
         self.keys = svc.keys
         self.settings = svc.settings
+        self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
 
     async def ensure_group(self) -> None:
         try:
@@ -97,28 +104,37 @@ class Intake:
                 await asyncio.sleep(0.2)
                 await with_backoff(self.ensure_group, "create consumer group", lambda: svc.stopping)
                 continue
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    await self.accept(as_str(entry_id), fields, deliveries=1)
+            entries = [(as_str(i), f) for _stream, got in resp or [] for i, f in got]
+            if entries and svc.unhealthy:   # it turned unhealthy while this read was blocked
+                await svc.lifecycle.release_entries([i for i, _ in entries])
+                log.warning("engine unhealthy: handed back %d new entries", len(entries))
+                continue
+            for entry_id, fields in entries:
+                await self.accept(entry_id, fields, deliveries=1)
 
     # ---- entries of dead workers ------------------------------------------------------------
 
     async def claim_loop(self) -> None:
         svc = self.svc
-        # scanning is cheap (XAUTOCLAIM walks the pending list from 0-0), and a short interval
-        # is what makes a hand-back from a draining worker land elsewhere within a second
-        interval = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
-        last_trim = 0.0
+        # A dead worker is known from the registry as soon as its heartbeat lapses: its entries
+        # are claimed then (checked every DEAD_CHECK_S), whatever our free slots, ahead of new
+        # intake (which waits while we are full). XAUTOCLAIM after claim_idle_ms is the fallback
+        # for entries nobody else accounts for (hand-backs, workers gone from the registry); a
+        # short interval is what makes a hand-back land elsewhere within a second.
+        scan_every = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
+        last_trim = last_scan = 0.0
         while not svc.stopping:
             try:
-                await asyncio.wait_for(svc.stop_event.wait(), interval)
+                await asyncio.wait_for(svc.stop_event.wait(), DEAD_CHECK_S)
                 return
             except asyncio.TimeoutError:
                 pass
             try:
+                await with_backoff(self.claim_dead_workers, "claim from dead workers", lambda: svc.stopping)
                 free = svc.free_slots()
-                if free > 0:
+                if free > 0 and time.monotonic() - last_scan >= scan_every:
                     await with_backoff(lambda: self.claim_once(free), "claim", lambda: svc.stopping)
+                    last_scan = time.monotonic()
                 if time.monotonic() - last_trim > TRIM_EVERY_S:
                     await with_backoff(lambda: trim_finished(svc.redis, self.keys), "trim", lambda: svc.stopping)
                     last_trim = time.monotonic()
@@ -128,18 +144,62 @@ class Intake:
                 log.warning("claim loop: %s", exc)
 
     async def claim_once(self, count: int) -> None:
+        """XAUTOCLAIM up to `count` idle entries, following its cursor: Redis scans at most
+        10 x COUNT pending entries a call, so with one free slot behind a hundred busy entries
+        a scan from 0-0 every time would never reach the idle ones further on."""
         svc = self.svc
-        _next, entries, deleted = (await svc.redis.xautoclaim(
-            self.keys.requests, CONSUMER_GROUP, svc.worker_id, self.settings.claim_idle_ms,
-            start_id="0-0", count=count))[:3]
-        if deleted:
-            log.warning("pending entries trimmed before anyone finished them: %s", deleted)
-        entries = [(as_str(i), f) for i, f in entries if f]
+        claimed: list = []
+        for _ in range(MAX_SCAN_CALLS):
+            self.cursor, entries, deleted = (await svc.redis.xautoclaim(
+                self.keys.requests, CONSUMER_GROUP, svc.worker_id, self.settings.claim_idle_ms,
+                start_id=self.cursor, count=count - len(claimed)))[:3]
+            self.cursor = as_str(self.cursor)
+            if deleted:
+                log.warning("pending entries trimmed before anyone finished them: %s", deleted)
+            claimed += [(as_str(i), f) for i, f in entries if f]
+            if len(claimed) >= count or self.cursor == "0-0":
+                break
+        await self._accept_claimed(claimed)
+
+    async def claim_dead_workers(self) -> None:
+        """Claim the entries of every worker whose registry heartbeat is older than
+        worker_ttl_s (up to our capacity a round), and clean up after those with none left."""
+        svc = self.svc
+        if svc.unhealthy:
+            return
+        now_ms = int(time.time() * 1000)
+        silent = await svc.redis.zrangebyscore(self.keys.workers, "-inf", now_ms - int(self.settings.worker_ttl_s * 1000))
+        room = svc.capacity
+        for dead in (as_str(w) for w in silent):
+            if dead == svc.worker_id or room <= 0:
+                continue
+            pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
+                                                     count=room, consumername=dead)
+            if not pending:
+                await registry.forget_dead(svc.redis, self.keys, dead)
+                log.info("worker %s is dead and owns nothing any more: removed its registry entry, control "
+                         "stream and consumer", dead)
+                continue
+            # min-idle: of two survivors claiming at once only one gets each entry (XCLAIM resets
+            # the idle time), and an entry the dead worker refreshed just before dying still qualifies
+            min_idle = int(self.settings.worker_ttl_s * 500)
+            claimed = await svc.redis.xclaim(self.keys.requests, CONSUMER_GROUP, svc.worker_id, min_idle,
+                                             [p["message_id"] for p in pending])
+            claimed = [(as_str(i), f) for i, f in claimed if f]
+            if claimed:
+                log.info("worker %s is dead (no heartbeat for %.1f s): claimed %d of its requests", dead,
+                         self.settings.worker_ttl_s, len(claimed))
+                room -= len(claimed)
+                await self._accept_claimed(claimed)
+
+    async def _accept_claimed(self, entries: list) -> None:
         if not entries:
             return
-        # delivery counts (XAUTOCLAIM has already counted this delivery)
-        pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=entries[0][0],
-                                                 max=entries[-1][0], count=len(entries) + 100,
+        svc = self.svc
+        # delivery counts (the claim has already counted this delivery)
+        ids = sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))
+        pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
+                                                 max=ids[-1][0], count=len(entries) + 100,
                                                  consumername=svc.worker_id)
         deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
         ours = {st.entry_id for st in svc.inflight.values()}
@@ -178,14 +238,17 @@ class Intake:
                 pipe.hmget(keys.meta(rid), [META_GW, META_ATT])
                 pipe.expire(keys.meta(rid), self.settings.output_ttl_s)
                 pipe.exists(keys.cancel(rid))
-                pipe.xrevrange(keys.out(rid), count=1)
+                # the whole history (empty for a new request): its token ids are what a
+                # continuation starts from, read in the same MULTI that makes us the owner
+                pipe.xrange(keys.out(rid))
                 return await pipe.execute()
-        *_, epoch, (gw, att), _, cancelled, last = await with_backoff(claim, "claim request")
-        progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
+        *_, epoch, (gw, att), _, cancelled, raw_history = await with_backoff(claim, "claim request")
+        history = [decode_event(fields[ENTRY_FIELD]) for _id, fields in raw_history]
+        progress = progress_from_last(history[-1] if history else None)
         st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), gw=as_str(gw) if gw else "")
         if att and int(att) > 0 and st.gw:
             st.marker_att = int(att)
-        decision = failover.decide(entry, progress)
+        decision = failover.decide(entry, progress, history)
         if decision.action == "ack":     # finished before its worker died: ack only
             st.engine_done = st.final_written = True
             await with_backoff(lambda: svc.redis.hdel(keys.meta(rid), META_OWNER), "release owner")
@@ -198,11 +261,11 @@ class Intake:
             svc.inflight[rid] = st        # until its final is written (retried if refused)
             await with_backoff(lambda: svc.writer.commit([st]), "finish request")
             return
-        if decision.action == "replay":
-            svc.stats["replayed"] += 1
-            log.info("replaying %s from token %d", rid, decision.skip_tokens)
+        if decision.action == "continue":
+            svc.stats["continued"] += 1
+            log.info("continuing %s after its %d delivered tokens", rid, len(decision.generated_ids))
         svc.inflight[rid] = st
-        svc.thread.submit(Add(entry, skip_tokens=decision.skip_tokens))
+        svc.thread.submit(Add(entry, generated_ids=decision.generated_ids))
 
     async def dead_letter(self, entry_id: str, reason: str, raw: bytes | None, deliveries: int, kind: str,
                           entry: RequestEntry | None = None) -> None:
@@ -214,10 +277,17 @@ class Intake:
         if rid is None or rid in svc.inflight:
             await with_backoff(lambda: svc.writer.commit([], [DeadLetter(entry_id, fields)]), "dead-letter")
             return
-        # the final event must follow whatever earlier attempts wrote
-        last = await with_backoff(lambda: svc.redis.xrevrange(self.keys.out(rid), count=1), "read progress")
+        # the final event must follow whatever earlier attempts wrote; taking the next epoch
+        # fences off any earlier worker still writing
+        async def take():
+            async with svc.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
+                pipe.hincrby(self.keys.meta(rid), META_EPOCH, 1)
+                pipe.expire(self.keys.meta(rid), self.settings.output_ttl_s)
+                pipe.xrevrange(self.keys.out(rid), count=1)
+                return await pipe.execute()
+        epoch, _, last = await with_backoff(take, "read progress")
         progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
-        st = InFlight.start(rid, entry_id, entry, progress, key_id=failover.key_id_of_raw(raw))
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), key_id=failover.key_id_of_raw(raw))
         st.dead_letter = fields
         if progress.finished:
             st.engine_done = st.final_written = True
@@ -252,9 +322,7 @@ class Intake:
             elif svc.inflight.get(st.rid) is st and not st.final_written:
                 # claimed by another worker (we stalled past claim_idle_ms): it owns it now
                 log.warning("request %s was claimed by another worker; dropping it here", st.rid)
-                del svc.inflight[st.rid]
-                svc.thread.submit(Cancel(st.rid, silent=True))
-                svc.capacity_event.set()
+                svc.drop(st)
         if not kept:
             return
         async with svc.redis.pipeline(transaction=False) as pipe:

@@ -110,18 +110,25 @@ class Lifecycle:
         states = [svc.inflight.pop(rid) for rid in rids if rid in svc.inflight]
         if not states:
             return
+        await self.release_entries([st.entry_id for st in states], [st.rid for st in states])
+        log.info("handed back %d requests: %s", len(states), [st.rid for st in states])
+
+    async def release_entries(self, entry_ids: list[str], rids: list[str] = ()) -> None:
+        """Make entries we hold claimable by any other worker right away: XCLAIM them to
+        ourselves with an IDLE far above claim_idle_ms (the next XAUTOCLAIM elsewhere takes
+        them), and clear ourselves as the owner of `rids`."""
+        svc = self.svc
         idle_ms = max(10 * svc.settings.claim_idle_ms, 3_600_000)
 
         async def op():
             async with svc.redis.pipeline(transaction=False) as pipe:
-                pipe.xclaim(svc.keys.requests, CONSUMER_GROUP, svc.worker_id, 0,
-                            [st.entry_id for st in states], idle=idle_ms, justid=True)
-                for st in states:
-                    pipe.hdel(svc.keys.meta(st.rid), META_OWNER)
+                pipe.xclaim(svc.keys.requests, CONSUMER_GROUP, svc.worker_id, 0, entry_ids, idle=idle_ms,
+                            justid=True)
+                for rid in rids:
+                    pipe.hdel(svc.keys.meta(rid), META_OWNER)
                 await pipe.execute()
         try:
             await asyncio.wait_for(with_backoff(op, "hand back"), 10)
         except (asyncio.TimeoutError, asyncio.CancelledError):
-            log.warning("could not hand back %d requests; they are claimed after claim_idle_ms", len(states))
-        svc.stats["handed_back"] += len(states)
-        log.info("handed back %d requests: %s", len(states), [st.rid for st in states])
+            log.warning("could not hand back %d entries; they are claimed after claim_idle_ms", len(entry_ids))
+        svc.stats["handed_back"] += len(entry_ids)

@@ -4,15 +4,22 @@ Why one module: "events, then ack, then lease, then owner" used to be written th
 (normal finish, finish-before-run, dead letter), each a little different. Here `commit()` is the
 only place that writes output, and the only place that acknowledges a request.
 
-One `commit(states)` = at most two round trips, whatever the number of requests:
-1. one pipeline: per request ONE history write on slot {r:rid}: a plain XADD for a single
-   token event (+ EXPIRE on this run's first write), else the `HISTORY_APPEND` script (its
-   frozen events in order, idempotent by id; EXPIRE at the final, which also removes `owner`
-   from meta); then per gateway ONE XADD to its inbox whose `d` is
-   the list of all its events of this commit (attach markers first). History is ahead of live
-   in the same round trip, so an event is never live without being (or about to be) in history;
-   a retry re-sends the live copy too, and gateways de-duplicate by seq.
-2. only when finals were confirmed: one MULTI on slot {q} with XACK + ZREM of the request's
+One `commit(states)` = at most three round trips, whatever the number of requests:
+1. history: one pipeline, per request ONE call of the `HISTORY_APPEND` script on slot {r:rid}
+   (its frozen events in order; EXPIRE on this run's first write and at the final, which also
+   removes `owner` from meta). The script is the FENCE: it writes only if `meta.epoch` is
+   still the epoch this worker got when it took the request. A worker presumed dead (a long
+   pause, a partition, SIGSTOP) whose request was claimed by another worker (which bumped the
+   epoch) is refused atomically, in Redis; it then drops the request (`on_fenced`) without
+   acking it. An id already in the stream counts as written only if the entry there is
+   byte-identical (our own retry after a lost reply); anything else is a conflict, never a
+   silent success.
+2. live: per gateway ONE XADD to its inbox whose `d` is the list of all its events that round
+   trip 1 confirmed (attach markers first). Live therefore never runs ahead of history, and a
+   fenced writer's events never reach a client even before the gateway sees the newer epoch.
+   A live copy lost to a connection error is re-sent with the next commit; gateways
+   de-duplicate by seq.
+3. only when finals were confirmed: one MULTI on slot {q} with XACK + ZREM of the request's
    concurrency lease (`p:{q}:conc:<key_id>`) for each of them (and dead-letter XADDs), so the
    lease is released exactly when the request ends. It runs after round trip 1 because an ack
    must never precede the final event in history, and the two are in different slots.
@@ -51,23 +58,29 @@ MAX_WRITE_FAILURES = 8           # refused writes (with backoff, ~5 s) before a 
 INBOX_MAXLEN = 10000             # entries; each holds one flush's events for one gateway
 INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
 
-# KEYS: out, meta. ARGV: maxlen, ttl_s, worker_id, final(0/1), then id1, payload1, id2, ...
-# Used when a request has several events to write at once (tokens + final, or a backlog after
-# refused writes): appends them in order; an id already written (a retry whose reply was lost)
-# is skipped, any other error stops at once (a later event must never land before an earlier
-# one). One token event alone goes as a plain XADD (fewer Redis commands per token).
+# KEYS: out, meta. ARGV: maxlen, ttl_s, worker_id, final(0/1), epoch, set_ttl(0/1), then
+# id1, payload1, id2, ... Refused with FENCED unless meta.epoch == epoch (the request moved on to
+# another worker). Appends the events in order; an id already in the stream is our own retry
+# whose reply was lost only if the entry there holds the same payload (else CONFLICT: two
+# writers); any other error stops at once (a later event must never land before an earlier one).
 HISTORY_APPEND = """
-local created = redis.call('TTL', KEYS[1]) < 0
+if redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[5] then
+  return redis.error_reply('FENCED meta.epoch is not ' .. ARGV[5])
+end
 local added = 0
-for i = 5, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   local r = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[i], 'd', ARGV[i + 1])
   if type(r) == 'table' and r.err then
     if not string.find(r.err, 'equal or smaller', 1, true) then return redis.error_reply(r.err) end
+    local there = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+    if #there == 0 or there[1][2][2] ~= ARGV[i + 1] then
+      return redis.error_reply('CONFLICT another event is at or above ' .. ARGV[i])
+    end
   else
     added = added + 1
   end
 end
-if created or ARGV[4] == '1' then
+if ARGV[6] == '1' or ARGV[4] == '1' then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
 end
@@ -78,10 +91,9 @@ return added
 """
 
 
-def already_written(exc: Exception) -> bool:
-    """XADD with an id at or below the stream's last one: a retried write whose first reply
-    was lost (Redis restarting) already landed. That is success."""
-    return "equal or smaller" in str(exc)
+def fenced(exc: Exception) -> bool:
+    """The history script refused: the request's epoch moved on (another worker owns it)."""
+    return str(exc).startswith("FENCED")
 
 
 class DeadLetter:
@@ -95,17 +107,20 @@ class DeadLetter:
 class OutputWriter:
     def __init__(self, redis, keys: Keys, settings: Settings, worker_id: str, *,
                  on_give_up: Callable[[InFlight], None] = lambda st: None,
-                 on_done: Callable[[list[InFlight]], None] = lambda done: None):
+                 on_done: Callable[[list[InFlight]], None] = lambda done: None,
+                 on_fenced: Callable[[InFlight], None] = lambda st: None):
         self.redis = redis
         self.keys = keys
         self.settings = settings
         self.worker_id = worker_id
         self.on_give_up = on_give_up
         self.on_done = on_done                # called with the requests a commit completed
+        self.on_fenced = on_fenced            # called with a request another worker took over
+        self._live_backlog: dict[str, list[bytes]] = {}   # live copies a connection error kept back
         self.lock = asyncio.Lock()            # one commit at a time: events of a request stay in order
         self._sha: str | None = None
         self._inbox_ttl_at: dict[str, float] = {}
-        self.stats = {"commits": 0, "events": 0, "refused": 0, "given_up": 0}
+        self.stats = {"commits": 0, "events": 0, "refused": 0, "given_up": 0, "fenced": 0}
 
     # ---- the commit -------------------------------------------------------------------------
 
@@ -118,30 +133,37 @@ class OutputWriter:
 
     async def _commit(self, states: list[InFlight], dead_letters: list[DeadLetter]) -> list[InFlight]:
         now = time.monotonic()
+        states = [st for st in states if not st.fenced]
         writing: list[tuple[InFlight, list]] = []
-        live: dict[str, list[bytes]] = {}
-        marked: list[InFlight] = []
         for st in states:
             st.freeze()
-            writable = bool(st.unsent) and st.retry_at <= now
-            if writable:
+            if st.unsent and st.retry_at <= now:
                 writing.append((st, list(st.unsent)))
-            if st.gw and (st.marker_att is not None or writable):
-                events = live.setdefault(st.gw, [])
-                if st.marker_att is not None:
-                    events.append(st.marker())
-                    marked.append(st)
-                if writable:
-                    events.extend(f.payload for f in st.unsent)
-        if writing or live:
-            results = await self._write_events(writing, live)
+        # attach markers are built before the history write: "everything <= S is in history"
+        markers = {st.rid: st.marker() for st in states if st.gw and st.marker_att is not None}
+        confirmed: dict[str, list] = {}
+        if writing:
+            results = await self._write_history(writing)
             for (st, frozen), result in zip(writing, results):
-                if isinstance(result, Exception):
+                if isinstance(result, Exception) and fenced(result):
+                    self._fence(st, result)
+                elif isinstance(result, Exception):
                     self._refused(st, result, now)
                 else:
                     st.confirm(frozen)
+                    confirmed[st.rid] = frozen
                     self.stats["events"] += len(frozen)
-            for st in marked:
+        live: dict[str, list[bytes]] = {}
+        for st in states:   # per gateway: markers first, then what this commit confirmed
+            if st.gw and not st.fenced and (st.rid in markers or st.rid in confirmed):
+                events = live.setdefault(st.gw, [])
+                if st.rid in markers:
+                    events.append(markers[st.rid])
+                events.extend(f.payload for f in confirmed.get(st.rid, ()))
+        if live or self._live_backlog:
+            await self._write_live(live)
+        for st in states:
+            if st.rid in markers:
                 st.marker_att = None
         done = [st for st in states if st.final_written]
         if done or dead_letters:
@@ -151,53 +173,60 @@ class OutputWriter:
         self.stats["commits"] += 1
         return done
 
-    async def _write_events(self, writing: list, live: dict[str, list[bytes]]) -> list:
+    async def _write_history(self, writing: list) -> list:
+        """One fenced script call per request, all in one pipeline; its reply or error each."""
         s = self.settings
         if self._sha is None:
             self._sha = await self.redis.script_load(HISTORY_APPEND)
-        now = time.monotonic()
         async with self.redis.pipeline(transaction=False) as pipe:
             for st, frozen in writing:
-                out = self.keys.out(st.rid)
-                if len(frozen) == 1 and not frozen[0].final:
-                    # the common case, one token event: a plain XADD (one command per event);
-                    # EXPIRE with the first write of this run (the stream may be new)
-                    pipe.xadd(out, {ENTRY_FIELD: frozen[0].payload}, id=frozen[0].entry_id,
-                              maxlen=s.output_maxlen, approximate=True)
-                    if not st.ttl_set:
-                        pipe.expire(out, s.output_ttl_s)
-                    continue
-                args = [s.output_maxlen, s.output_ttl_s, self.worker_id, int(any(f.final for f in frozen))]
+                args = [s.output_maxlen, s.output_ttl_s, self.worker_id, int(any(f.final for f in frozen)),
+                        st.epoch, int(not st.ttl_set)]
                 for f in frozen:
                     args += [f.entry_id, f.payload]
                 # a raw EVALSHA: redis-py's cluster pipeline refuses its evalsha() helper
-                pipe.execute_command("EVALSHA", self._sha, 2, out, self.keys.meta(st.rid), *args)
-            slots = [2 if len(fz) == 1 and not fz[0].final and not st.ttl_set else 1 for st, fz in writing]
-            for gw, payloads in live.items():
-                inbox = self.keys.inbox(gw)
-                pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)
-                if now - self._inbox_ttl_at.get(gw, 0.0) > INBOX_TTL_REFRESH_S:
-                    pipe.expire(inbox, s.output_ttl_s)
-                    self._inbox_ttl_at[gw] = now
+                pipe.execute_command("EVALSHA", self._sha, 2, self.keys.out(st.rid), self.keys.meta(st.rid), *args)
             results = await pipe.execute(raise_on_error=False)
-        history, i = [], 0
-        for (st, _frozen), n in zip(writing, slots):   # one result per request (its XADD or script)
-            replies = results[i:i + n]
-            i += n
-            bad = next((r for r in replies if isinstance(r, Exception) and not already_written(r)), None)
-            history.append(bad if bad is not None else True)
-            if bad is None and n == 2:
-                st.ttl_set = True
-        if any(isinstance(r, NoScriptError) for r in history):  # Redis restarted: load it again, retry
+        if any(isinstance(r, NoScriptError) for r in results):  # Redis restarted: load it again, retry
             self._sha = None
             raise RedisConnectionError("the history script is gone from Redis (restarted); reloading it")
         for r in results:
             if isinstance(r, TRANSIENT):
                 raise r
-        for r in results[i:]:
-            if isinstance(r, Exception):  # a live copy lost: the history has it, resume reads it
+        for (st, _frozen), r in zip(writing, results):
+            if not isinstance(r, Exception):
+                st.ttl_set = True
+        return results
+
+    async def _write_live(self, live: dict[str, list[bytes]]) -> None:
+        """One inbox XADD per gateway. A connection error keeps the copies for the next commit
+        (history already has them); a refusal (OOM) drops them: a resume reads the history."""
+        for gw, payloads in live.items():
+            self._live_backlog.setdefault(gw, []).extend(payloads)
+        backlog, now = self._live_backlog, time.monotonic()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for gw, payloads in backlog.items():
+                inbox = self.keys.inbox(gw)
+                pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)
+                if now - self._inbox_ttl_at.get(gw, 0.0) > INBOX_TTL_REFRESH_S:
+                    pipe.expire(inbox, self.settings.output_ttl_s)
+                    self._inbox_ttl_at[gw] = now
+            results = await pipe.execute(raise_on_error=False)
+        for r in results:
+            if isinstance(r, TRANSIENT):
+                raise r
+        self._live_backlog = {}
+        for r in results:
+            if isinstance(r, Exception):
                 log.warning("inbox write refused: %s", r)
-        return history
+
+    def _fence(self, st: InFlight, exc: Exception) -> None:
+        """Another worker took the request over (its epoch is newer): stop here, write nothing
+        more, do not ack it; the new owner continues from what the history holds."""
+        st.fenced = True
+        self.stats["fenced"] += 1
+        log.warning("request %s was taken over by another worker (%s); dropping it here", st.rid, exc)
+        self.on_fenced(st)
 
     def _refused(self, st: InFlight, exc: Exception, now: float) -> None:
         st.failures += 1

@@ -13,12 +13,12 @@ import time
 
 import redis.asyncio as aioredis
 
-from shared.streams import Keys
+from shared.streams import CONSUMER_GROUP, Keys
 
 
 def registry_fields(*, capacity: int, running: int, waiting: int, in_flight: int, kv_used: int,
-                    kv_total: int, model: str, started_ms: int, steps: int, state: str) -> dict:
-    return {
+                    kv_total: int, model: str, started_ms: int, steps: int, state: str, reason: str = "") -> dict:
+    return {"reason": reason,
         "capacity": capacity, "running": running, "waiting": waiting, "in_flight": in_flight,
         "kv_free": max(0, kv_total - kv_used), "kv_total": kv_total, "model": model,
         "started_ms": started_ms, "pid": os.getpid(), "steps": steps, "state": state,
@@ -33,13 +33,32 @@ async def heartbeat(redis: aioredis.Redis, keys: Keys, worker_id: str, fields: d
         pipe.hset(keys.worker(worker_id), mapping=fields)
         pipe.pexpire(keys.worker(worker_id), int(ttl_s * 1000))
         pipe.zadd(keys.workers, {worker_id: now_ms})
-        # forget workers silent for 10 TTLs, so the zset does not grow with every restart
-        pipe.zremrangebyscore(keys.workers, "-inf", now_ms - int(ttl_s * 10_000))
+        # (silent workers leave the zset when a survivor has claimed their entries:
+        # worker.intake.claim_dead_workers -> forget_dead)
+        await pipe.execute()
+
+
+# KEYS: requests. ARGV: group, consumer. Removes the consumer only if it owns no pending entry
+# (atomically: DELCONSUMER would drop its pending entries, i.e. lose requests).
+DELETE_IDLE_CONSUMER = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #p > 0 then return 0 end
+return redis.pcall('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+
+async def forget_dead(redis: aioredis.Redis, keys: Keys, worker_id: str) -> None:
+    """A dead worker that owns nothing: its registry entry, control stream and group consumer go
+    (keys stay bounded however many workers come and go)."""
+    await redis.eval(DELETE_IDLE_CONSUMER, 1, keys.requests, CONSUMER_GROUP, worker_id)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.zrem(keys.workers, worker_id)
+        pipe.delete(keys.worker(worker_id), keys.ctl(worker_id))
         await pipe.execute()
 
 
 async def deregister(redis: aioredis.Redis, keys: Keys, worker_id: str) -> None:
     async with redis.pipeline(transaction=False) as pipe:
         pipe.zrem(keys.workers, worker_id)
-        pipe.delete(keys.worker(worker_id))
+        pipe.delete(keys.worker(worker_id), keys.ctl(worker_id))
         await pipe.execute()

@@ -56,7 +56,8 @@ class WorkerService:
         self.stopping = False
         self.fatal = False
         self.started_ms = int(time.time() * 1000)
-        self.stats = {"finished": 0, "replayed": 0, "lost": 0, "dead": 0, "claimed": 0, "handed_back": 0}
+        self.stats = {"finished": 0, "continued": 0, "lost": 0, "dead": 0, "claimed": 0, "handed_back": 0,
+                      "dropped": 0}
         self.stop_event = asyncio.Event()
         self.capacity_event = asyncio.Event()
         self.outputs_event = asyncio.Event()
@@ -72,13 +73,35 @@ class WorkerService:
         return sum(1 for st in self.inflight.values() if not st.engine_done)
 
     def free_slots(self) -> int:
-        return self.capacity - self.running_count()
+        """Room for new or claimed work: the running batch plus WORKER_QUEUE_DEPTH queued in the
+        engine, whose admission and prefill follow lanes (interactive first, batch aged); with
+        an empty engine queue a lane could only order what happens to be read together. None
+        while the engine is unhealthy."""
+        if self.unhealthy:
+            return 0
+        return self.capacity + self.settings.worker_queue_depth - self.running_count()
+
+    @property
+    def unhealthy(self) -> str:
+        """Why the engine cannot serve ("" when it can): every step fails."""
+        return self.thread.unhealthy_reason if self.thread else ""
 
     def _on_done(self, done: list[InFlight]) -> None:
         for st in done:
             if self.inflight.get(st.rid) is st:
                 del self.inflight[st.rid]
                 self.stats["finished"] += 1
+        self.capacity_event.set()
+
+    def drop(self, st: InFlight) -> None:
+        """Another worker owns rid now (it was claimed away, or our write was fenced): forget it
+        here without a final and without an ack; the engine stops it silently."""
+        st.fenced = True
+        if self.inflight.get(st.rid) is st:
+            del self.inflight[st.rid]
+            self.stats["dropped"] += 1
+            if not st.engine_done:
+                self.thread.submit(Cancel(st.rid, silent=True))
         self.capacity_event.set()
 
     def _on_give_up(self, st: InFlight) -> None:
@@ -91,7 +114,8 @@ class WorkerService:
         return registry.registry_fields(
             capacity=self.capacity, running=t.running, waiting=t.waiting, in_flight=self.running_count(),
             kv_used=t.kv_used, kv_total=t.kv_total, model=self.model_name, started_ms=self.started_ms,
-            steps=t.steps, state="draining" if self.stopping else "ready")
+            steps=t.steps, state="draining" if self.stopping else "unhealthy" if self.unhealthy else "ready",
+            reason=self.unhealthy)
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -107,7 +131,7 @@ class WorkerService:
         self.intake_redis = connect(s.redis_url, socket_timeout=BLOCKING_READ_TIMEOUT_S)
         self.ctl_redis = connect(s.redis_url, socket_timeout=BLOCKING_READ_TIMEOUT_S)
         self.writer = OutputWriter(self.redis, self.keys, s, self.worker_id,
-                                   on_give_up=self._on_give_up, on_done=self._on_done)
+                                   on_give_up=self._on_give_up, on_done=self._on_done, on_fenced=self.drop)
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(self.engine, max_prompt_tokens=s.max_prompt_tokens,
                                    buffer_max=s.output_buffer_max, on_output=notify_loop(loop, self.outputs_event))

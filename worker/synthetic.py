@@ -7,8 +7,8 @@ request per step, `step_ms` apart (2-5 ms = a small model at batch 64-256 on one
 realistic token text (common English word pieces, a few bytes each). Everything else is the
 production worker: `python -m worker.synthetic` reads requests from the request stream (so a
 real gateway submits to it), writes v2 events through worker.output_writer, honours cancel,
-attach, failover (`skip_tokens`: the text is a function of the token index, so a replay
-continues identically) and drains on SIGTERM.
+attach, failover (a continuation's `generated_ids` count as tokens already made: the text is a
+function of the token index) and drains on SIGTERM.
 
     STREAM_PREFIX=llm REDIS_URL=redis://127.0.0.1:6379/0 WORKER_FLUSH_MS=15 \\
         python -m worker.synthetic --step-ms 5 --max-batch 1024
@@ -112,7 +112,7 @@ class SyntheticEngine:
         outputs, self._finals = self._finals, []
         while self._waiting and len(self._running) < self.max_batch:
             req = self._waiting.popleft()
-            self._running[req.rid] = [req, 0]
+            self._running[req.rid] = [req, len(req.generated_ids)]   # a continuation goes on from there
         for rid, slot in list(self._running.items()):
             req, n = slot
             n = slot[1] = n + 1

@@ -56,6 +56,7 @@ class EngineConfig:
             max_seq_len=settings.max_seq_len,
             kv_cache_tokens=settings.kv_cache_tokens,
             prefill_chunk=settings.prefill_chunk,
+            lane_aging_steps=settings.lane_aging_steps,
             device=device,
             dtype=resolve_dtype(settings.dtype, device),
         )
