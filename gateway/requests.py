@@ -4,7 +4,8 @@ Live events arrive from the process-wide inbox reader (gateway.inbox) through a 
 callback (`on_event`) that only appends to the request's `ChunkBuffer` and wakes the sender: it
 never awaits, so a slow socket cannot hold up the shared reader or other sockets. A token event
 covers `n` tokens and ends at `seq` (tokens delivered so far); one whose seq is not beyond what
-this socket already has is a duplicate and dropped, so history and live can overlap safely.
+this socket already has is a duplicate and dropped, so history and live can overlap safely; one
+that starts past the next expected token is held while the missing ones are read from history.
 
 Resume (gateway.resume) joins history and live: while `attaching`, live events are held back;
 the worker's attach marker says "everything <= S is in the history", so the history after the
@@ -215,6 +216,12 @@ class RequestTable:
         if req.attaching or req.catching_up:
             req.held.append(ev)
             return
+        if kind == "tok" and _starts_past(ev, req.fed_seq):
+            # tokens between what this socket has and this event never came live (e.g. a stale
+            # writer's event crossed the new owner's): the history has them; read it, then this
+            req.held.append(ev)
+            self.catch_up(req)
+            return
         self._feed(req, ev)
 
     def _feed(self, req: RequestState, ev: dict) -> None:
@@ -277,3 +284,9 @@ class RequestTable:
                 log.warning("history read for %s failed (%s); retrying", req.rid, exc)
                 await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
         return []
+
+
+def _starts_past(ev: dict, fed_seq: int) -> bool:
+    """A token event whose first token is beyond the next one this socket expects."""
+    n = int(ev.get("n") or 0)
+    return n > 0 and int(ev.get("seq") or 0) - n > fed_seq

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 
 import pytest
 
 from gateway.settings import GatewaySettings
-from shared.streams import ENTRY_FIELD, Keys, decode_event
+from shared.streams import ENTRY_FIELD, Keys, decode_event, encode_done, encode_tok, history_id, pack_event_list
 from tests.gateway_client import GatewayClient
 from tests.stack_fixtures import gateway_in_process, start_worker
 
@@ -107,3 +108,33 @@ async def test_abrupt_close_then_quick_resume_elsewhere_loses_and_repeats_nothin
 
         await asyncio.gather(*(bounded(i) for i in range(ITERATIONS)))
         assert not failures, f"{len(failures)} of {ITERATIONS} resumes were not exact: {failures[:5]}"
+
+
+async def test_a_live_event_past_a_gap_is_completed_from_history(redis_server, stream_prefix, redis_client):
+    """Live tokens that skip ahead (a stale writer's event crossed the new owner's, or an inbox
+    entry was trimmed) are completed from the history, in order, before the later ones are shown.
+    The 'worker' here is the test itself, writing history and inbox entries as a worker does."""
+    keys = Keys(stream_prefix)
+    await redis_client.zadd(keys.workers, {"silent": int(time.time() * 1000) + 600_000})   # admission: a live worker
+    settings = GatewaySettings(redis_url=redis_server.url, stream_prefix=stream_prefix, heartbeat_s=0,
+                               ping_timeout_s=0, flush_interval_ms=0)
+    async with gateway_in_process(settings) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        await c.send(type="generate", id="g1", prompt="x", max_tokens=10)
+        accepted = await c.recv("g1")
+        assert accepted["type"] == "accepted"
+        rid = accepted["request_id"]
+        inbox = keys.inbox((await redis_client.hget(keys.meta(rid), "gw")).decode())
+        toks = [encode_tok(rid, seq, [seq], text, 1, 0) for seq, text in ((1, "A"), (2, "B"), (3, "C"))]
+        for seq, ev in enumerate(toks, 1):
+            await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: ev}, id=history_id(seq, False))
+        done = encode_done(rid, 3, "stop", 1, 3, 1, 0)
+        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: done}, id=history_id(3, True))
+        await redis_client.xadd(inbox, {ENTRY_FIELD: pack_event_list([toks[0]])})
+        await redis_client.xadd(inbox, {ENTRY_FIELD: pack_event_list([toks[2]])})    # seq 2 never came live
+        await redis_client.xadd(inbox, {ENTRY_FIELD: pack_event_list([done])})
+        chunks, fin = await c.until_done("g1")
+        assert "".join(ch["text"] for ch in chunks) == "ABC", chunks
+        assert sum(ch["tokens"] for ch in chunks) == 3 and chunks[-1]["seq"] == 3
+        assert fin["finish_reason"] == "stop" and fin["seq"] == 3
+        await c.close()
