@@ -283,10 +283,11 @@ async def test_worker_sigterm_mid_stream_finishes_or_hands_back(stack):
             assert_finished_whole(stack, client, cid)
         assert _wait_gone(victim["pid"], 40), "the worker did not exit after SIGTERM"
         # with a 0.5 s drain the long requests cannot finish in time: the path under test is the
-        # hand-back, visible in the workers' own logs (the other worker replays from the last seq)
+        # hand-back, visible in the workers' own logs (the other worker continues from the
+        # delivered token ids)
         log = stack.log_tail(200_000)
         assert "handed back" in log
-        assert any(f"replaying {client.accepted[cid]}" in log for cid in ids), log[-3000:]
+        assert any(f"continuing {client.accepted[cid]} after" in log for cid in ids), log[-3000:]
         assert stack.proc.poll() is None, "the stack must keep running with one worker left"
 
         # the remaining worker serves new work

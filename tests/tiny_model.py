@@ -16,7 +16,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from worker.model_files import SMOLLM2_GGUF, smollm2_dir
 
 
-def make_tiny_model_dir(path: str | os.PathLike, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+def make_tiny_model_dir(path: str | os.PathLike, *, layers: int = 2, hidden: int = 64, seed: int = 0,
+                        initializer_range: float = 0.02) -> Path:
+    """A larger `initializer_range` gives a model whose greedy output varies (the default one
+    repeats a single token), e.g. for a failover test that needs a survivor that differs."""
     path = Path(path)
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path
@@ -27,7 +30,7 @@ def make_tiny_model_dir(path: str | os.PathLike, *, layers: int = 2, hidden: int
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
