@@ -14,11 +14,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from shared.errors import ErrorCode
 from shared.streams import RequestEntry
-from worker.engine import Engine, EngineRejected, EngineRequest, StepOutput, build_prompt_ids
+from worker.engine import EngineRejected, EngineRequest, StepOutput, build_prompt_ids
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
 
 log = logging.getLogger("worker.engine")
 

@@ -21,18 +21,21 @@ import os
 import socket
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from shared.config import Settings
 from shared.streams import Keys
 from worker import registry
 from worker.control import Control
-from worker.engine import Engine
 from worker.engine_thread import Cancel, EngineThread, notify_loop
 from worker.events import InFlight
 from worker.intake import Intake
 from worker.lifecycle import Lifecycle
 from worker.output_writer import OutputWriter
 from worker.redis_io import connect, with_backoff
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
 
 log = logging.getLogger("worker.service")
 

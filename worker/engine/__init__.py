@@ -2,16 +2,31 @@
 
 Modules: `engine` (public API, per-request updates), `scheduler` (what runs each step),
 `runner` (one forward pass + sampling), `attention` (slot attention plugged into transformers),
-`kv_cache`, `sampling`, `detokenize`, `sequence` (per-request state), `model_support` (which
+`kv_cache`, `sampling`, `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
 models are accepted), `config`, `loading`.
 
 The worker owns one `Engine` in a dedicated thread: `add`/`cancel` between steps, `step()` in a
 loop while `has_work`.
+
+The request/output types and prompt building import without torch (`types`, `prompts`); the
+engine itself, its config and the model loader are imported on first use, so a process that
+never builds an engine (the synthetic worker, the output writer's users) never loads torch.
 """
 
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine, EngineRejected, EngineRequest, StepOutput, eos_token_ids
-from worker.engine.loading import build_prompt_ids, load_model
+from importlib import import_module
+
+from worker.engine.prompts import build_prompt_ids
+from worker.engine.types import EngineRejected, EngineRequest, StepOutput
+
+_LAZY = {"Engine": "worker.engine.engine", "eos_token_ids": "worker.engine.engine",
+         "EngineConfig": "worker.engine.config", "load_model": "worker.engine.loading"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'worker.engine' has no attribute {name!r}")
+
 
 __all__ = [
     "Engine", "EngineConfig", "EngineRejected", "EngineRequest", "StepOutput",

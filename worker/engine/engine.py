@@ -15,14 +15,10 @@ calls add/cancel/step from one thread.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from shared.errors import ErrorCode
-from shared.streams import SamplingParams
 from worker.engine import attention
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
@@ -32,49 +28,9 @@ from worker.engine.runner import ModelRunner
 from worker.engine.sampling import make_generator, skip
 from worker.engine.scheduler import Scheduler, StepPlan
 from worker.engine.sequence import Sequence
+from worker.engine.types import EngineRejected, EngineRequest, FinishReason, StepOutput  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-FinishReason = Literal["stop", "length", "cancelled", "error"]
-
-
-@dataclass
-class EngineRequest:
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: Literal["interactive", "batch"] = "interactive"
-    skip_tokens: int = 0  # tokens already delivered by an earlier run: generated again, not emitted
-    # Continuation (failover): output tokens an earlier run already delivered. They are context,
-    # count toward max_tokens, prime the detokenizer and stop strings (and a seeded generator),
-    # and are not emitted again: only new tokens come out.
-    generated_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # EOS ids are masked out of sampling (benchmarks: forced lengths)
-
-
-class EngineRejected(Exception):
-    """The request can never run here (the caller reports `code` to the client)."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass
-class StepOutput:
-    rid: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    error_code: ErrorCode | None = None
-    error_message: str | None = None
-    # wall clock (ms) when the step produced this output: outputs may reach Redis later, batched
-    emitted_ms: int = field(default_factory=lambda: int(time.time() * 1000))
-
 
 def eos_token_ids(model, tokenizer) -> set[int]:
     """Every id that ends generation: the tokenizer's EOS and the generation config's (which may

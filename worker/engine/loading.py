@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker.engine.config import resolve_device, resolve_dtype
+from worker.engine.prompts import build_prompt_ids  # noqa: F401 (re-exported)
 from worker.model_files import resolve_model
 
 
@@ -25,24 +26,3 @@ def load_model(settings):
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
-
-
-def _plain_chat(messages: list[dict]) -> str:
-    """Fallback for tokenizers without a chat template (base models)."""
-    lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
-
-
-def build_prompt_ids(tokenizer, prompt: str | None, messages: list[dict] | None) -> list[int]:
-    """Token ids for a raw prompt, or for chat messages rendered with the model's chat template
-    (with the assistant turn opened, as OpenAI-style chat endpoints do)."""
-    if (prompt is None) == (messages is None):
-        raise ValueError("exactly one of prompt/messages is required")
-    if messages is not None:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        prompt = _plain_chat(messages)
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -1,0 +1,55 @@
+"""What goes into and comes out of the engine: plain dataclasses, no torch.
+
+Kept apart from the engine so that the worker service, the synthetic engine and the output
+writer can use them without importing torch and transformers (a synthetic worker then starts in
+a fraction of a second instead of seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.errors import ErrorCode
+from shared.streams import SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass
+class EngineRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: Literal["interactive", "batch"] = "interactive"
+    skip_tokens: int = 0  # tokens already delivered by an earlier run: generated again, not emitted
+    # Continuation (failover): output tokens an earlier run already delivered. They are context,
+    # count toward max_tokens, prime the detokenizer and stop strings (and a seeded generator),
+    # and are not emitted again: only new tokens come out.
+    generated_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # EOS ids are masked out of sampling (benchmarks: forced lengths)
+
+
+class EngineRejected(Exception):
+    """The request can never run here (the caller reports `code` to the client)."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class StepOutput:
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    error_code: ErrorCode | None = None
+    error_message: str | None = None
+    # wall clock (ms) when the step produced this output: outputs may reach Redis later, batched
+    emitted_ms: int = field(default_factory=lambda: int(time.time() * 1000))
