@@ -5,6 +5,12 @@ request stream gives the consumer group's `lag` (entries no worker has read yet)
 (read but not yet finished); their sum is the work ahead of a new request. Live workers come from
 the registry zset `{p}:workers` (worker id -> last heartbeat ms). One snapshot is reused for
 `cache_ms` so a burst of thousands of requests costs one round trip, not thousands.
+
+"Alive" for admission is a heartbeat within ADMISSION_GRACE_TTLS x WORKER_TTL_S, not within one
+TTL: WORKER_TTL_S is tuned for failover (claim a silent worker's requests within seconds), while
+a worker that missed a few heartbeats because Redis itself restarted is back a moment later, and
+a request queued meanwhile simply waits in the stream. Refusing then would turn every Redis
+restart into a burst of `overloaded` errors for new requests.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from shared.backlog import Backlog, read_backlog
 from shared.errors import ErrorCode, ProtocolError
 from shared.streams import Keys
 
+ADMISSION_GRACE_TTLS = 5
+
 
 class Admission:
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, max_depth: int, worker_ttl_s: float, cache_ms: int):
         self.redis = redis
         self.keys = keys
         self.max_depth = max_depth
-        self.worker_ttl_s = worker_ttl_s
+        self.worker_ttl_s = worker_ttl_s * ADMISSION_GRACE_TTLS
         self.cache_s = cache_ms / 1000
         self._snapshot: Backlog | None = None
         self._at = 0.0

@@ -17,7 +17,9 @@ import websockets
 
 from gateway.auth import hash_key
 from gateway.settings import GatewaySettings
+from shared.errors import ErrorCode, ProtocolError
 from shared.localredis import free_port
+from shared.streams import Keys
 from tests.gateway_client import GatewayClient
 from tests.stack_fixtures import gateway_in_process
 
@@ -215,3 +217,19 @@ async def test_backlog_is_read_from_the_consumer_group(redis_client, stream_pref
     await redis_client.zadd(keys.workers, {"w1": int(time.time() * 1000), "stale": 1})
     backlog = await read_backlog(redis_client, keys, 10)
     assert (backlog.queued, backlog.pending, backlog.depth, backlog.live_workers) == (3, 2, 5, 1)
+
+
+async def test_a_worker_that_missed_a_few_heartbeats_still_admits_work(redis_server, stream_prefix, redis_client):
+    """After a Redis restart every worker's last heartbeat is a few seconds old for a moment
+    (WORKER_TTL_S is 2 s, for fast failover): admission must not refuse new requests then; a
+    worker silent for many TTLs does mean `overloaded`."""
+    from gateway.admission import ADMISSION_GRACE_TTLS, Admission
+    keys = Keys(stream_prefix)
+    admission = Admission(redis_client, keys, max_depth=100, worker_ttl_s=2.0, cache_ms=0)
+    now_ms = int(time.time() * 1000)
+    await redis_client.zadd(keys.workers, {"w-paused": now_ms - 3_000})      # 1.5 TTLs ago
+    await admission.admit()
+    await redis_client.zadd(keys.workers, {"w-paused": now_ms - int(2_000 * ADMISSION_GRACE_TTLS) - 1_000})
+    with pytest.raises(ProtocolError) as info:
+        await admission.admit()
+    assert info.value.code == ErrorCode.OVERLOADED

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from shared.localredis import free_port
+from shared.localredis import free_cluster_port
 from shared.streams import ENTRY_FIELD, Keys, encode_attach, encode_cancel
 from tests.stack_fixtures import start_worker
 from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, read_inbox, submit,
@@ -24,7 +24,7 @@ from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_ack
 
 @pytest.fixture
 def cluster_mode_redis():
-    port = free_port()
+    port = free_cluster_port()          # its cluster bus port (+10000) must be free and valid too
     data = tempfile.mkdtemp(prefix="llm-cluster-")
     proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
                              "--cluster-enabled", "yes", "--cluster-config-file", f"{data}/nodes.conf",
