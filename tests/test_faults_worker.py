@@ -235,8 +235,14 @@ async def test_a_stopped_worker_that_comes_back_is_fenced_off(redis_server, redi
         eps = [e["ep"] for e in events]
         assert eps == sorted(eps) and set(eps) == {1, 2}
         # live: after the first epoch-2 event the stale worker put nothing into the inbox either
-        raw = [e for _, f in await redis_client.xrange(keys.inbox(gw)) for e in decode_event_list(f[ENTRY_FIELD])
-               if e["rid"] == rid]
+        # (live copies follow the confirmed history write: wait for the final to reach the inbox)
+        deadline = time.monotonic() + 10
+        while True:
+            raw = [e for _, f in await redis_client.xrange(keys.inbox(gw))
+                   for e in decode_event_list(f[ENTRY_FIELD]) if e["rid"] == rid]
+            if any(e["k"] in ("done", "err") for e in raw) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
         first2 = next(i for i, e in enumerate(raw) if e["ep"] == 2)
         assert all(e["ep"] == 2 for e in raw[first2:]), [(e["seq"], e["ep"]) for e in raw[first2:]]
         assert [(e["seq"], e.get("text")) for e in dedup_live(raw)] == [(e["seq"], e.get("text")) for e in events]
