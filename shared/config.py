@@ -63,7 +63,9 @@ class Settings(BaseSettings):
     worker_queue_depth: int = Field(16, description="requests a worker takes beyond its running batch, queued in "
                                                     "its engine so that admission follows priority lanes")
     max_seq_len: int = Field(2048, description="max prompt + output tokens of one request")
-    kv_cache_tokens: int = Field(0, description="KV-cache token budget for admission; 0 = max_batch * max_seq_len")
+    kv_cache_tokens: int = Field(0, description="KV-cache pool size in tokens, allocated at start-up; "
+                                 "0 = max_batch * max_seq_len (nothing is ever preempted)")
+    kv_block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the paging unit)")
     prefill_chunk: int = Field(256, description="prompt tokens processed per step (chunked prefill)")
     lane_aging_steps: int = Field(256, description="a batch request that waited this many engine steps is served "
                                                    "as interactive (batch work always progresses)")

@@ -98,7 +98,7 @@ def test_greedy_batched_equals_generate_alone(model, tokenizer):
         assert got[-1].finished and got[-1].finish_reason == "length"
         assert got[-1].completion_tokens == n and got[-1].prompt_tokens == len(p)
         assert sum(o.finished for o in got) == 1
-    assert engine.num_running == 0 and engine.kv_tokens_used == 0 and engine.cache.num_free == 3
+    assert engine.num_running == 0 and engine.kv_tokens_used == 0 and engine.cache.num_free == engine.cache.num_blocks
 
 
 def test_decode_continues_every_step_during_chunked_prefill(model, tokenizer):
@@ -196,21 +196,22 @@ def test_eos_ends_with_stop(model, tokenizer):
     assert text(got) == tokenizer.decode(ref[:3], skip_special_tokens=True)
 
 
-def test_cancel_frees_slot_and_budget(model, tokenizer):
+def test_cancel_frees_blocks(model, tokenizer):
     engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
     for rid in ("a", "b", "c"):
         engine.add(EngineRequest(rid, ids(tokenizer, PROMPTS[0]), greedy(100)))
     engine.step()
     assert engine.num_running == 2 and engine.num_waiting == 1
     used = engine.kv_tokens_used
-    reserve = len(ids(tokenizer, PROMPTS[0])) + 100
+    held = -(-len(ids(tokenizer, PROMPTS[0])) // engine.cache.block_size) * engine.cache.block_size
+    assert used == 2 * held  # blocks for what was computed, not for prompt + max_tokens
     assert engine.cancel("a") is True
-    assert engine.num_running == 1 and engine.kv_tokens_used == used - reserve and engine.cache.num_free == 1
+    assert engine.num_running == 1 and engine.kv_tokens_used == used - held
     assert engine.cancel("a") is False and engine.cancel("nope") is False
     outs = engine.step()  # the cancel's final comes at once, without a forward pass
     assert [(o.rid, o.finish_reason, o.completion_tokens) for o in outs] == [("a", "cancelled", 1)]
     outs = engine.step()
-    assert engine.num_running == 2 and engine.num_waiting == 0  # "c" took the freed slot
+    assert engine.num_running == 2 and engine.num_waiting == 0  # "c" took the freed row
     assert "c" in {o.rid for o in outs}  # ... and was prefilled in that step
     # cancelling a waiting request
     engine.add(EngineRequest("d", ids(tokenizer, "Hi"), greedy(5)))
@@ -221,29 +222,54 @@ def test_cancel_frees_slot_and_budget(model, tokenizer):
     for rid in ("b", "c"):
         engine.cancel(rid)
     engine.step()
-    assert not engine.has_work and engine.kv_tokens_used == 0 and engine.cache.num_free == 2
+    assert not engine.has_work and engine.kv_tokens_used == 0 and engine.cache.num_free == engine.cache.num_blocks
 
 
-def test_budget_queues_what_fits_later_and_rejects_what_never_fits(model, tokenizer):
+def test_pool_rejects_what_never_fits(model, tokenizer):
     prompt = ids(tokenizer, "Hello there")
-    engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=128, kv_cache_tokens=100))
-    assert engine.kv_tokens_total == 100
-    need = 100 - len(prompt)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=128, kv_cache_tokens=96))
+    assert engine.kv_tokens_total == 96 and engine.cache.num_blocks == 6
     with pytest.raises(EngineRejected) as exc:
-        engine.add(EngineRequest("big", prompt, greedy(need + 1)))
+        engine.add(EngineRequest("big", prompt, greedy(96 - len(prompt) + 1)))
     assert exc.value.code == ErrorCode.CONTEXT_TOO_LONG
-    engine.add(EngineRequest("one", prompt, greedy(60)))
-    engine.add(EngineRequest("two", prompt, greedy(60)))
-    engine.step()
-    assert engine.num_running == 1 and engine.num_waiting == 1  # slots free, budget is not
-    assert engine.kv_tokens_used == len(prompt) + 60
-    outs, _ = run(engine)
-    assert outs["one"][-1].finish_reason == "length" and outs["two"][-1].finish_reason == "length"
-    # longer than one slot even though the budget would allow it
+    # longer than max_seq_len even though the pool could hold it
     wide = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=64, kv_cache_tokens=1000))
     with pytest.raises(EngineRejected) as exc:
         wide.add(EngineRequest("long", prompt, greedy(64)))
     assert exc.value.code == ErrorCode.CONTEXT_TOO_LONG
+
+
+def test_full_pool_preempts_the_least_urgent_which_recomputes_exactly(model, tokenizer):
+    """Admission is optimistic: two requests that cannot both finish in a 96-token pool start
+    together; when the pool runs out, the batch-lane one (though it came first) gives its blocks
+    back and later recomputes its context. Both streams are exactly what they are alone: no token
+    lost, repeated or changed, seeded sampling included, and each ends once."""
+    n = 60
+    p_batch, p_chat = ids(tokenizer, PROMPTS[0]), ids(tokenizer, PROMPTS[3])
+    seeded = SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=7)
+    alone = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=256))
+    ref_batch, _ = run(alone, {0: [EngineRequest("b", p_batch, seeded, priority="batch", ignore_eos=True)]})
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=128, kv_cache_tokens=96))
+    engine.add(EngineRequest("b", p_batch, seeded, priority="batch", ignore_eos=True))
+    engine.add(EngineRequest("i", p_chat, greedy(n), ignore_eos=True))
+    outs: dict[str, list] = {}
+    chat_waited_after_start = False
+    steps = 0
+    while engine.has_work:
+        for o in engine.step():
+            outs.setdefault(o.rid, []).append(o)
+        waiting = {s.req.rid for s in engine.scheduler.waiting}
+        chat_waited_after_start |= "i" in waiting and "i" in outs
+        assert engine.kv_tokens_used <= engine.kv_tokens_total
+        steps += 1
+        assert steps < 1000
+    assert engine.preemptions >= 1 and not chat_waited_after_start
+    assert tokens(outs["i"]) == reference(model, p_chat, n)
+    assert tokens(outs["b"]) == tokens(ref_batch["b"]) and text(outs["b"]) == text(ref_batch["b"])
+    for rid in ("b", "i"):
+        assert sum(o.finished for o in outs[rid]) == 1 and outs[rid][-1].finish_reason == "length"
+        assert outs[rid][-1].completion_tokens == n
+    assert engine.kv_tokens_used == 0 and engine.cache.num_free == engine.cache.num_blocks
 
 
 def test_invalid_requests_are_rejected_without_harm(model, tokenizer):
@@ -360,7 +386,7 @@ def test_a_failing_detokenizer_fails_only_its_request(model, tokenizer):
     for rid in ("good", "also-good"):
         assert tokens(outs[rid]) == reference(model, prompt, 8)
         assert sum(o.finished for o in outs[rid]) == 1
-    assert not engine.has_work and engine.kv_tokens_used == 0 and engine.cache.num_free == 3
+    assert not engine.has_work and engine.kv_tokens_used == 0 and engine.cache.num_free == engine.cache.num_blocks
 
 
 def test_a_failing_forward_pass_fails_its_requests_and_keeps_the_engine(model, tokenizer):
@@ -374,7 +400,7 @@ def test_a_failing_forward_pass_fails_its_requests_and_keeps_the_engine(model, t
     finally:
         handle.remove()
     assert sorted((o.rid, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
-    assert not engine.has_work and engine.cache.num_free == 2 and engine.kv_tokens_used == 0
+    assert not engine.has_work and engine.cache.num_free == engine.cache.num_blocks and engine.kv_tokens_used == 0
     outs, _ = run(engine, {0: [EngineRequest("c", ids(tokenizer, "Hi"), greedy(5))]})
     assert tokens(outs["c"]) == reference(model, ids(tokenizer, "Hi"), 5)
 

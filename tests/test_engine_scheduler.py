@@ -1,4 +1,4 @@
-"""The scheduler alone (no model): what runs each step, under the token budget and the lanes."""
+"""The scheduler alone (no model): what runs each step, under the paged KV pool and the lanes."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import torch
 
 from shared.streams import SamplingParams
 from worker.engine.engine import EngineRequest
-from worker.engine.kv_cache import SlotKVCache
+from worker.engine.kv_cache import PagedKVCache
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 
 
-def _scheduler(slots=4, budget=1000, chunk=16, aging=4):
-    cache = SlotKVCache(layers=1, slots=slots, kv_heads=1, max_seq_len=8, head_dim=2, dtype=torch.float32,
-                        device="cpu")
-    return Scheduler(cache, budget, chunk, aging)
+def _scheduler(rows=4, blocks=250, block_size=4, chunk=16, aging=4):
+    cache = PagedKVCache(layers=1, num_blocks=blocks, block_size=block_size, kv_heads=1, head_dim=2,
+                         dtype=torch.float32, device="cpu")
+    return Scheduler(cache, rows, chunk, aging)
 
 
 _arrivals = iter(range(10**6))
@@ -23,8 +23,7 @@ _arrivals = iter(range(10**6))
 def _seq(prompt_len, lane="interactive", max_tokens=10):
     req = EngineRequest(f"r{prompt_len}-{lane}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
                         priority=lane)
-    return Sequence(req=req, reserve=prompt_len + max_tokens, detok=None, generator=None,
-                    arrival=next(_arrivals), tokens=list(req.prompt_ids))
+    return Sequence(req=req, detok=None, generator=None, arrival=next(_arrivals), tokens=list(req.prompt_ids))
 
 
 def _advance(plan):
@@ -44,6 +43,7 @@ def test_decodes_get_one_token_each_and_prompts_share_the_chunk_budget():
     sched.add(b)
     plan = sched.schedule()
     assert [(s, n) for s, n in plan.prefill] == [(a, 10), (b, 6)] and plan.sampled == [a]
+    assert len(a.blocks) == 3 and len(b.blocks) == 2  # blocks for what is computed, 4 tokens each
     _advance(plan)
     plan = sched.schedule()
     assert plan.decode == [a] and plan.prefill == [(b, 16)] and plan.sampled == [a]
@@ -52,22 +52,32 @@ def test_decodes_get_one_token_each_and_prompts_share_the_chunk_budget():
     assert plan.decode == [a] and plan.prefill == [(b, 8)] and plan.sampled == [a, b]
 
 
+def test_decode_rows_come_shortest_context_first():
+    sched = _scheduler(chunk=64)
+    long, short = _seq(40), _seq(5)
+    sched.add(long)
+    sched.add(short)
+    _advance(sched.schedule())
+    plan = sched.schedule()
+    assert plan.decode == [short, long]
+
+
 def test_admission_is_strict_in_lane_order_and_frees_on_remove():
-    sched = _scheduler(slots=4, budget=60)
-    first = _seq(20, max_tokens=10)
-    big, small = _seq(40, max_tokens=10), _seq(5, max_tokens=5)
+    sched = _scheduler(blocks=6, chunk=32)
+    first = _seq(20)                 # 5 blocks of 4
+    big, small = _seq(24), _seq(3)   # big's first chunk needs 6 blocks; small needs 1
     for s in (first, big, small):
         sched.add(s)
     sched.schedule()
     assert sched.running == [first] and sched.waiting == [big, small]  # small does not jump ahead
     sched.remove(first)
-    assert sched.budget.used == 0 and sched.cache.num_free == 4
+    assert sched.cache.num_free == 6 and first.blocks == []
     sched.schedule()
-    assert sched.running == [big, small]
+    assert sched.running == [big] and sched.waiting == [small]
 
 
 def test_aged_batch_request_is_admitted_ahead_of_interactive_ones():
-    sched = _scheduler(slots=1, aging=3)
+    sched = _scheduler(rows=1, aging=3)
     running = _seq(4)
     sched.add(running)
     sched.schedule()
@@ -80,3 +90,44 @@ def test_aged_batch_request_is_admitted_ahead_of_interactive_ones():
     sched.remove(running)
     sched.schedule()
     assert sched.running == [batch] and sched.waiting == [chat]
+
+
+def test_a_full_pool_preempts_the_least_urgent_request():
+    sched = _scheduler(blocks=4, block_size=4, chunk=16)
+    batch, chat = _seq(7, lane="batch"), _seq(7)   # 2 blocks each: the pool is full
+    sched.add(batch)
+    sched.add(chat)
+    plan = sched.schedule()
+    assert plan.prefill == [(chat, 7), (batch, 7)] and sched.cache.num_free == 0
+    _advance(plan)
+    plan = sched.schedule()   # both decode position 7: still in their second block
+    assert set(plan.decode) == {chat, batch} and not plan.preempted
+    _advance(plan)
+    plan = sched.schedule()   # position 8 needs a third block each: the batch request yields
+    assert plan.decode == [chat] and plan.preempted == [batch]
+    assert batch in sched.waiting and batch.blocks == [] and batch.computed == 0 and batch.preemptions == 1
+    assert len(batch.tokens) == 9   # its output so far stays: it is recomputed, not regenerated
+    assert len(chat.blocks) == 3 and sched.preemptions == 1
+
+
+def test_the_least_urgent_request_waits_rather_than_preempting_a_more_urgent_one():
+    sched = _scheduler(blocks=4, block_size=4, chunk=16)
+    chat, batch = _seq(8), _seq(4, lane="batch")
+    sched.add(chat)
+    sched.add(batch)
+    _advance(sched.schedule())   # chat: 2 blocks (full), batch: 1 block (full); 1 free
+    plan = sched.schedule()      # chat takes the free block; batch has nothing to preempt below it
+    assert plan.decode == [chat] and not plan.preempted and batch in sched.running
+    assert batch.starved == 1 and len(batch.blocks) == 1
+
+
+def test_a_prompt_chunk_shrinks_to_what_the_pool_holds():
+    """A request that could never fit is refused by the engine; one that fits the pool alone but
+    not with its whole next chunk, and has no one less urgent to preempt, computes what fits."""
+    sched = _scheduler(blocks=3, block_size=4, chunk=4)
+    seq = _seq(16)
+    sched.add(seq)
+    _advance(sched.schedule())          # first chunk: 4 tokens, 1 block
+    sched.prefill_chunk = 16            # a bigger chunk than the 2 free blocks hold
+    plan = sched.schedule()
+    assert plan.prefill == [(seq, 8)] and len(seq.blocks) == 3 and sched.cache.num_free == 0

@@ -4,16 +4,20 @@ Each step packs every request's new tokens into ONE sequence [1, T] (a decoding 
 token, a prefilling request a chunk of its prompt) with per-token position ids, so the model's
 projections, MLPs and RoPE run once for the whole batch. transformers' attention modules hand us
 q/k/v of that packed sequence (no cache object is passed, so they do not try to update one); here
-we write the new keys/values into each request's slot of the `SlotKVCache` and attend:
+we write the new keys/values into their rows of the `PagedKVCache` pool (one `index_copy_` per
+layer, the rows precomputed from the block tables) and attend:
 
-* decode tokens: batched SDPA over views `cache[a:b, :, :max_len of a..b]` with a per-row
-  length mask, queries placed at their slot's row; the slot range is cut into segments
-  (`decode_segments`) so that one long request does not make every row attend over its length;
-* prefill chunks: one SDPA per chunk against that slot's view `[:start + chunk]` with a causal
-  mask offset by `start`.
+* decode tokens: rows come sorted by context length and are cut into segments
+  (`decode_segments`), so one long request does not make every row attend over its length; a
+  segment gathers its rows' blocks into a `[rows, kv_heads, blocks × block_size, head_dim]`
+  view (one `index_select` of whole blocks) and runs one batched SDPA with a per-row length mask;
+* prefill chunks: one SDPA per chunk against that request's gathered blocks, with a causal mask
+  offset by the chunk's start.
 
-Grouped-query attention is handled by folding the query heads that share a KV head into the
-query-length axis, so keys/values are never repeated.
+The gather copies what attention reads once more; a fused paged-attention kernel (vLLM's, or
+flash-attn's `block_table` on a GPU) reads the blocks in place and is the next step where one is
+available. Grouped-query attention is handled by folding the query heads that share a KV head
+into the query-length axis, so keys/values are never repeated.
 
 A sliding window (Mistral, Qwen2's windowed layers) is part of the mask: transformers passes
 each layer's `sliding_window`, and masks are built once per step for each window in use.
@@ -30,58 +34,75 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-ATTN_IMPLEMENTATION = "slot_kv"
-META_KWARG = "slot_step"
+ATTN_IMPLEMENTATION = "paged_kv"
+META_KWARG = "paged_step"
 
 
 @dataclass
 class PrefillChunk:
-    slot: int
     start: int             # position of the chunk's first token in the request
     length: int
+    blocks: torch.Tensor   # long [n]: the request's blocks covering positions [0, start + length)
+
+
+@dataclass
+class DecodeSegment:
+    start: int             # decode rows [start, end) ...
+    end: int
+    blocks: torch.Tensor   # long [(end - start) * n]: each row's first n blocks (padded), row-major
+    length: int            # ... attend over positions [0, length) = n blocks
 
 
 @dataclass
 class StepMeta:
     """Per-step index tensors, built once per step and shared by every layer."""
-    cache: "object"                 # SlotKVCache
-    write_slots: torch.Tensor       # long [T]: slot of each packed token
+    cache: "object"                 # PagedKVCache
+    write_rows: torch.Tensor        # long [T]: pool row of each packed token
     write_pos: torch.Tensor         # long [T]: position of each packed token
     num_decode: int                 # packed tokens [0, num_decode) are decode tokens
     groups: int                     # query heads per KV head
     dtype: torch.dtype
-    rows: int = 0                   # decode view covers slots [0, rows)
-    max_len: int = 0                # decode view covers positions [0, max_len)
-    row_token: torch.Tensor | None = None    # long [rows]: packed token feeding each row (None = identity)
-    decode_rows: torch.Tensor | None = None  # long [num_decode]: row of each decode token (None = identity)
-    decode_lengths: torch.Tensor | None = None  # long [rows]: context length of each row (query at length-1)
-    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, max_len)
+    decode_lengths: torch.Tensor | None = None  # long [num_decode]: context length of each row (query at length-1)
+    segments: list[DecodeSegment] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """Additive [rows, 1, 1, max_len]: row r sees positions < its length (and, with a window,
-        the last `window` of them)."""
-        key = ("decode", window)
+    def decode_mask(self, index: int, window: int | None) -> torch.Tensor:
+        """Additive [rows, 1, 1, length] for segment `index`: row r sees positions < its length
+        (and, with a window, the last `window` of them)."""
+        key = ("decode", index, window)
         if key not in self._masks:
-            span = torch.arange(self.max_len, device=self.write_pos.device)[None, :]
-            lengths = self.decode_lengths[:, None]
+            seg = self.segments[index]
+            span = torch.arange(seg.length, device=self.write_pos.device)[None, :]
+            lengths = self.decode_lengths[seg.start : seg.end, None]
             allowed = span < lengths
             if window is not None:
                 allowed &= span >= lengths - window
-            self._masks[key] = additive_mask(allowed, self.dtype).view(self.rows, 1, 1, -1)
+            self._masks[key] = additive_mask(allowed, self.dtype).view(seg.end - seg.start, 1, 1, -1)
         return self._masks[key]
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor:
         key = (index, window)
         if key not in self._masks:
             chunk = self.prefills[index]
+            span = chunk.blocks.numel() * self.cache.block_size
             self._masks[key] = prefill_mask(chunk.start, chunk.length, self.groups, self.write_pos.device,
-                                            self.dtype, window)
+                                            self.dtype, window, span)
         return self._masks[key]
 
 
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def gather_blocks(pool: torch.Tensor, block_size: int, blocks: torch.Tensor, rows: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """[rows, kv_heads, n * block_size, head_dim] view of `blocks` (rows × n, row-major) of a
+    token-major pool [tokens, kv_heads, head_dim], copied into `out` (a reused workspace: a
+    fresh multi-MB tensor per layer costs more in page faults than the copy itself)."""
+    kv_heads, head_dim = pool.shape[1], pool.shape[2]
+    picked = torch.index_select(pool.view(pool.shape[0] // block_size, -1), 0, blocks,
+                                out=out[: blocks.numel()])
+    return picked.view(rows, -1, kv_heads, head_dim).transpose(1, 2)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface signature; returns ([1, T, heads, head_dim], None)."""
     meta: StepMeta | None = kwargs.pop(META_KWARG, None)
     window = kwargs.get("sliding_window")
@@ -89,33 +110,35 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     layer = module.layer_idx
-    k_cache, v_cache = meta.cache.keys[layer], meta.cache.values[layer]
-    # query [1, H, T, D]; key/value [1, KVH, T, D]
-    k_cache[meta.write_slots, :, meta.write_pos] = key[0].transpose(0, 1)
-    v_cache[meta.write_slots, :, meta.write_pos] = value[0].transpose(0, 1)
+    cache = meta.cache
+    k_pool, v_pool = cache.keys[layer], cache.values[layer]
+    # query [1, H, T, D]; key/value [1, KVH, T, D]; the pools are [rows, KVH, D]
+    k_pool.index_copy_(0, meta.write_rows, key[0].transpose(0, 1))
+    v_pool.index_copy_(0, meta.write_rows, value[0].transpose(0, 1))
 
     heads, head_dim = query.shape[1], query.shape[3]
     kv_heads = key.shape[1]
     groups = heads // kv_heads
+    bs = cache.block_size
     q = query[0]  # [H, T, D]
     parts = []
     if meta.num_decode:
-        rows = meta.rows
-        q_rows = q[:, : meta.num_decode] if meta.row_token is None else q.index_select(1, meta.row_token)
-        q_rows = q_rows.transpose(0, 1).reshape(rows, kv_heads, groups, head_dim)
-        mask = meta.decode_mask(window)
-        outs = [F.scaled_dot_product_attention(
-            q_rows[a:b], k_cache[a:b, :, :length], v_cache[a:b, :, :length],
-            attn_mask=mask[a:b, :, :, :length], scale=scaling,
-        ) for a, b, length in meta.segments]
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs, 0)).reshape(rows, heads, head_dim)
-        parts.append(out if meta.decode_rows is None else out.index_select(0, meta.decode_rows))
+        q_rows = q[:, : meta.num_decode].transpose(0, 1).reshape(meta.num_decode, kv_heads, groups, head_dim)
+        for index, seg in enumerate(meta.segments):
+            rows = seg.end - seg.start
+            parts.append(F.scaled_dot_product_attention(
+                q_rows[seg.start : seg.end], gather_blocks(k_pool, bs, seg.blocks, rows, cache.gathered_keys),
+                gather_blocks(v_pool, bs, seg.blocks, rows, cache.gathered_values),
+                attn_mask=meta.decode_mask(index, window),
+                scale=scaling,
+            ).reshape(rows, heads, head_dim))
     offset = meta.num_decode
     for index, chunk in enumerate(meta.prefills):
-        c, end = chunk.length, chunk.start + chunk.length
+        c = chunk.length
         q_chunk = q[:, offset : offset + c].reshape(1, kv_heads, groups * c, head_dim)
         out = F.scaled_dot_product_attention(
-            q_chunk, k_cache[chunk.slot : chunk.slot + 1, :, :end], v_cache[chunk.slot : chunk.slot + 1, :, :end],
+            q_chunk, gather_blocks(k_pool, bs, chunk.blocks, 1, cache.gathered_keys),
+            gather_blocks(v_pool, bs, chunk.blocks, 1, cache.gathered_values),
             attn_mask=meta.prefill_mask(index, window), scale=scaling,
         )  # [1, KVH, G*c, D]
         parts.append(out.view(kv_heads, groups, c, head_dim).permute(2, 0, 1, 3).reshape(c, heads, head_dim))
@@ -127,7 +150,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
 def decode_segments(lengths: list[int], min_saving: float = 0.25) -> list[tuple[int, int, int]]:
     """Cut decode rows [0, len(lengths)) into at most two contiguous ranges, each attending over
     its own longest context, when that saves at least `min_saving` of the rows x max_len work
-    (e.g. one long request in the highest slot). Contiguous ranges keep the cache views free."""
+    (e.g. one long request among short ones: the scheduler sorts rows by length)."""
     rows = len(lengths)
     whole = rows * max(lengths)
     prefix, best, cut = [], whole, 0
@@ -151,12 +174,12 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def prefill_mask(start: int, length: int, groups: int, device, dtype: torch.dtype = torch.float32,
-                 window: int | None = None) -> torch.Tensor:
-    """Causal mask of a chunk at `start`: query i (repeated for each folded head group) sees
-    positions <= start + i (and > start + i - window with a sliding window, as transformers'
-    `sliding_window_overlay`)."""
+                 window: int | None = None, span: int | None = None) -> torch.Tensor:
+    """Causal mask of a chunk at `start` over `span` (>= start + length) key positions: query i
+    (repeated for each folded head group) sees positions <= start + i (and > start + i - window
+    with a sliding window, as transformers' `sliding_window_overlay`)."""
     q_pos = torch.arange(start, start + length, device=device)[:, None]
-    k_pos = torch.arange(start + length, device=device)[None, :]
+    k_pos = torch.arange(span or start + length, device=device)[None, :]
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= k_pos > q_pos - window
@@ -164,8 +187,8 @@ def prefill_mask(start: int, length: int, groups: int, device, dtype: torch.dtyp
 
 
 def register() -> None:
-    """Idempotent: make `slot_kv` a valid `attn_implementation`. Its mask function is SDPA's, so
+    """Idempotent: make `paged_kv` a valid `attn_implementation`. Its mask function is SDPA's, so
     the model still runs `generate()` correctly outside the engine; engine steps pass a ready
     4D placeholder mask, which transformers hands through without building one."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -29,9 +29,10 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 @dataclass
 class EngineConfig:
-    max_batch: int = 16           # running requests (= KV cache slots)
-    max_seq_len: int = 2048       # prompt + output tokens of one request (= length of one slot)
-    kv_cache_tokens: int = 0      # admission budget in tokens; 0 = max_batch * max_seq_len
+    max_batch: int = 16           # running requests (rows of a decode step)
+    max_seq_len: int = 2048       # prompt + output tokens of one request
+    kv_cache_tokens: int = 0      # KV pool size in tokens (allocated at start); 0 = max_batch * max_seq_len
+    kv_block_size: int = 16       # tokens per KV block
     prefill_chunk: int = 256      # prompt tokens processed per step, interleaved with decode
     lane_aging_steps: int = 8     # a request starved this many steps is served as interactive
     device: str = "cpu"
@@ -39,14 +40,16 @@ class EngineConfig:
 
     def __post_init__(self):
         if (self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0
-                or self.lane_aging_steps < 1):
+                or self.lane_aging_steps < 1 or self.kv_block_size < 1):
             raise ValueError(f"invalid engine config: {self}")
 
     @property
-    def token_budget(self) -> int:
-        """KV tokens admission may reserve; never more than the slots can physically hold."""
-        physical = self.max_batch * self.max_seq_len
-        return min(self.kv_cache_tokens, physical) if self.kv_cache_tokens else physical
+    def num_blocks(self) -> int:
+        """KV blocks to allocate: `kv_cache_tokens` rounded up to whole blocks, or by default
+        room for `max_batch` requests of `max_seq_len` tokens (then nothing is ever preempted)."""
+        if self.kv_cache_tokens:
+            return -(-self.kv_cache_tokens // self.kv_block_size)
+        return self.max_batch * -(-self.max_seq_len // self.kv_block_size)
 
     @classmethod
     def from_settings(cls, settings) -> "EngineConfig":
@@ -55,6 +58,7 @@ class EngineConfig:
             max_batch=settings.max_batch,
             max_seq_len=settings.max_seq_len,
             kv_cache_tokens=settings.kv_cache_tokens,
+            kv_block_size=settings.kv_block_size,
             prefill_chunk=settings.prefill_chunk,
             lane_aging_steps=settings.lane_aging_steps,
             device=device,

@@ -22,7 +22,7 @@ from shared.errors import ErrorCode
 from worker.engine import attention
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
-from worker.engine.kv_cache import SlotKVCache, model_kv_shape
+from worker.engine.kv_cache import PagedKVCache, model_kv_shape
 from worker.engine.model_support import check_supported
 from worker.engine.runner import ModelRunner
 from worker.engine.sampling import make_generator, skip
@@ -60,10 +60,9 @@ class Engine:
         if param.device.type != self.device.type or param.dtype != config.dtype:
             raise ValueError(f"model is on {param.device}/{param.dtype}, engine config says "
                              f"{config.device}/{config.dtype}")
-        self.cache = SlotKVCache(layers=layers, slots=config.max_batch, kv_heads=kv_heads,
-                                 max_seq_len=config.max_seq_len, head_dim=head_dim,
-                                 dtype=config.dtype, device=config.device)
-        self.scheduler = Scheduler(self.cache, config.token_budget, config.prefill_chunk, config.lane_aging_steps)
+        self.cache = PagedKVCache(layers=layers, num_blocks=config.num_blocks, block_size=config.kv_block_size,
+                                  kv_heads=kv_heads, head_dim=head_dim, dtype=config.dtype, device=config.device)
+        self.scheduler = Scheduler(self.cache, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_tokens=config.max_batch + config.prefill_chunk, device=self.device,
                                   dtype=config.dtype)
@@ -102,16 +101,19 @@ class Engine:
         return list(self._by_rid)
 
     @property
-    def budget(self):
-        return self.scheduler.budget
-
-    @property
     def kv_tokens_total(self) -> int:
-        return self.scheduler.budget.total
+        """Tokens the KV pool holds (allocated at start-up)."""
+        return self.cache.tokens_total
 
     @property
     def kv_tokens_used(self) -> int:
-        return self.scheduler.budget.used
+        """Tokens of the pool held by requests now (whole blocks)."""
+        return self.cache.tokens_used
+
+    @property
+    def preemptions(self) -> int:
+        """Requests sent back to recompute because the KV pool ran out (total)."""
+        return self.scheduler.preemptions
 
     def add(self, req: EngineRequest) -> None:
         """Queue a request, or raise EngineRejected if it can never run."""
@@ -128,7 +130,7 @@ class Engine:
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
-        limit = min(self.config.max_seq_len, self.scheduler.budget.total)
+        limit = min(self.config.max_seq_len, self.cache.tokens_total)
         if need > limit:
             raise EngineRejected(
                 ErrorCode.CONTEXT_TOO_LONG,
@@ -140,7 +142,7 @@ class Engine:
             generator = make_generator(p.seed, self.config.device)
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
-        seq = Sequence(req=req, reserve=need, detok=detok, generator=generator, arrival=self._arrivals,
+        seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals,
                        tokens=context)
         self._arrivals += 1
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
@@ -154,8 +156,7 @@ class Engine:
         self.scheduler.add(seq)
 
     def cancel(self, rid: str) -> bool:
-        """Drop a waiting or running request now (its slot and budget are free for the next
-        step); the next step() reports it with finish_reason "cancelled" before it runs the
+        """Drop a waiting or running request now (its KV blocks are free for the next step); the next step() reports it with finish_reason "cancelled" before it runs the
         model, so a cancel is answered without waiting for a forward pass."""
         seq = self._by_rid.get(rid)
         if seq is None:
@@ -243,7 +244,7 @@ class Engine:
                 self._finals.append(self._final(seq, "", "error", ErrorCode.INTERNAL, message))
 
     def _forget(self, seq: Sequence) -> None:
-        """The request leaves the engine: its slot and KV budget are free (exactly once)."""
+        """The request leaves the engine: its KV blocks are free (exactly once)."""
         seq.finished = True
         self.scheduler.remove(seq)
         self._by_rid.pop(seq.req.rid, None)

@@ -1,8 +1,17 @@
-"""A slot-based KV cache: one preallocated [slots, kv_heads, max_seq_len, head_dim] tensor per
-layer for keys and one for values. A request owns one slot for its lifetime, its tokens live at
-their own positions in it, so requests of different lengths share a batched forward pass
-without padding or copying (attention reads a *view* of the first used slots). Free slots are
-handed out lowest first, which keeps the used rows compact and that view small."""
+"""A paged KV cache: one pool of fixed-size blocks per layer, handed to requests as their
+tokens are written (vLLM's PagedAttention layout, nano-vllm's block manager).
+
+Each layer keeps a key and a value pool of `num_blocks × block_size` token rows
+(`[tokens, kv_heads, head_dim]`, token-major so a block is one contiguous run of memory). A
+request owns a block table, the list of its blocks: position p lives in row
+`blocks[p // block_size] * block_size + p % block_size` of every layer's pool. Memory is
+therefore allocated once, at start-up, for `num_blocks` blocks, and used in proportion to the
+tokens requests really hold (no request owns `max_seq_len` rows it may never fill), which lets
+the scheduler admit optimistically and preempt when the pool runs out.
+
+Free blocks are handed out lowest first (a heap), which keeps a request's blocks mostly in
+ascending order and the pool's used part compact.
+"""
 
 from __future__ import annotations
 
@@ -20,29 +29,59 @@ def model_kv_shape(model_config) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
-class SlotKVCache:
-    def __init__(self, *, layers: int, slots: int, kv_heads: int, max_seq_len: int, head_dim: int,
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class PagedKVCache:
+    def __init__(self, *, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
-        shape = (slots, kv_heads, max_seq_len, head_dim)
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV cache needs at least one block of at least one token")
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        # zeros, not empty: rows no request wrote are read (masked) as padding, and must be finite
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.slots = slots
-        self.max_seq_len = max_seq_len
-        self._free = list(range(slots))
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Workspaces attention gathers one segment's blocks into (one layer at a time); they
+        # grow to the largest gather seen, at most the pool of one layer.
+        self.gathered_keys = torch.empty(0, block_size * kv_heads * head_dim, dtype=dtype, device=device)
+        self.gathered_values = torch.empty(0, block_size * kv_heads * head_dim, dtype=dtype, device=device)
+        self._free = list(range(num_blocks))
         heapq.heapify(self._free)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        """The lowest free slot; the caller checks `num_free` first."""
-        return heapq.heappop(self._free)
+    @property
+    def tokens_total(self) -> int:
+        return self.num_blocks * self.block_size
 
-    def release(self, slot: int) -> None:
-        """Return a slot. Its stale contents are never read: attention only looks at positions
-        below each request's current length, and a new owner overwrites from position 0."""
-        heapq.heappush(self._free, slot)
+    @property
+    def tokens_used(self) -> int:
+        """Token rows held by requests (whole blocks)."""
+        return (self.num_blocks - len(self._free)) * self.block_size
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` free blocks, lowest first; the caller checks `num_free` first."""
+        if n > len(self._free):
+            raise RuntimeError(f"KV cache: {n} blocks asked, {len(self._free)} free")
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        """Return blocks. Their stale contents are never read unmasked: attention only looks at
+        positions below each request's current length, and a new owner writes before it reads."""
+        for block in blocks:
+            heapq.heappush(self._free, block)
+
+    def reserve_gather(self, blocks: int) -> None:
+        """Make the gather workspaces hold at least `blocks` blocks (called once per step)."""
+        if self.gathered_keys.shape[0] < blocks:
+            width, dtype, device = self.gathered_keys.shape[1], self.gathered_keys.dtype, self.gathered_keys.device
+            self.gathered_keys = torch.empty(blocks, width, dtype=dtype, device=device)
+            self.gathered_values = torch.empty(blocks, width, dtype=dtype, device=device)
 
     @property
     def bytes(self) -> int:

@@ -1,23 +1,30 @@
 """Scheduling: which requests run this step and how many tokens each gets (vLLM v1's shape: the
 scheduler decides, the runner executes, the engine updates).
 
-Admission: a request reserves prompt + max_tokens KV tokens and a cache slot when admitted, so a
-running request can always finish (memory never runs out mid-stream, nothing is preempted). A
-request whose reservation exceeds the whole budget (or one slot) is refused up front by the
-engine; one that fits later waits. Admission is strict: if the first request in lane order does
-not fit yet, nothing behind it jumps ahead, so large requests are not starved by small ones.
+KV memory is paged (`kv_cache.PagedKVCache`): a request takes blocks as its tokens are
+scheduled, not a reservation up front. Admission is therefore optimistic: a request joins the
+running set when a row is free (`max_running`) and the pool has blocks for its first prompt
+chunk (plus a small watermark), so short requests are not held back by what long ones *might*
+use. When the pool runs out, the least urgent running request is preempted: its blocks are
+freed and it goes back to waiting with its tokens (prompt + output so far), to be recomputed by
+prefill when it is admitted again (recompute preemption, as vLLM does by default; no swap
+space). The most urgent request can always proceed, because a request that could not fit the
+whole pool alone is refused up front by the engine, so every request eventually finishes.
 
-Lanes: every step, every decoding request gets its one token. Prompt tokens (at most
-`prefill_chunk` a step) and admission are handed out in lane order, interactive first, FIFO
-within a lane. Aging keeps batch work moving under a steady interactive load: a request that
-got nothing for `aging_steps` consecutive steps is served as if it were interactive.
+Lanes: every step, every running request is served in priority order: interactive first, FIFO
+(arrival) within a lane. A decoding request gets its one token; prompt tokens (at most
+`prefill_chunk` a step) go in the same order, so chunked prefill keeps running streams getting a
+token every step. Admission follows the same order and is strict: if the first waiting request
+does not fit yet, nothing behind it jumps ahead. Aging keeps batch work moving under a steady
+interactive load: a request that got nothing for `aging_steps` consecutive steps is served as if
+it were interactive. Preemption victims are taken from the other end of that order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.engine.kv_cache import SlotKVCache
+from worker.engine.kv_cache import PagedKVCache, blocks_for
 from worker.engine.sequence import Sequence
 
 LANES = ("interactive", "batch")
@@ -26,11 +33,12 @@ LANES = ("interactive", "batch")
 @dataclass
 class StepPlan:
     """What one forward pass computes."""
-    decode: list[Sequence] = field(default_factory=list)                 # one token each, slot order
+    decode: list[Sequence] = field(default_factory=list)                 # one token each, shortest context first
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)    # (request, tokens)
     # requests whose context is complete after this step: they get a new token, in the order
     # of the rows the runner samples (decode rows first, then completed prefills)
     sampled: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)              # sent back to waiting this step
 
     @property
     def empty(self) -> bool:
@@ -41,31 +49,18 @@ class StepPlan:
         return self.decode + [s for s, _ in self.prefill]
 
 
-class TokenBudget:
-    """KV-cache tokens reserved by running requests."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.used = 0
-
-    def fits(self, tokens: int) -> bool:
-        return self.used + tokens <= self.total
-
-    def reserve(self, tokens: int) -> None:
-        self.used += tokens
-
-    def release(self, tokens: int) -> None:
-        self.used -= tokens
-
-
 class Scheduler:
-    def __init__(self, cache: SlotKVCache, budget_tokens: int, prefill_chunk: int, aging_steps: int):
+    def __init__(self, cache: PagedKVCache, max_running: int, prefill_chunk: int, aging_steps: int):
         self.cache = cache
-        self.budget = TokenBudget(budget_tokens)
+        self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.aging_steps = aging_steps
+        # Blocks admission leaves free for running requests' next tokens, so a new request does
+        # not cause a preemption on its very next step (vLLM's watermark, 1%).
+        self.watermark = cache.num_blocks // 100
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.preemptions = 0    # total, for metrics
 
     def _priority(self, seq: Sequence) -> tuple[int, int]:
         urgent = seq.lane == "interactive" or seq.starved >= self.aging_steps
@@ -80,37 +75,85 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
-            self.cache.release(seq.slot)
-            self.budget.release(seq.reserve)
-            seq.slot = -1
+            self._release(seq)
 
     def schedule(self) -> StepPlan:
         self._admit()
         plan = StepPlan()
-        plan.decode = sorted((s for s in self.running if s.pending == 1 and s.computed > 0), key=lambda s: s.slot)
         room = self.prefill_chunk
-        prefilling = sorted((s for s in self.running if not (s.pending == 1 and s.computed > 0)), key=self._priority)
-        for seq in prefilling:
-            if room == 0:
+        order = sorted(self.running, key=self._priority)  # most urgent first
+        i = 0
+        while i < len(order):
+            seq = order[i]
+            i += 1
+            decoding = seq.pending == 1 and seq.computed > 0
+            n = 1 if decoding else min(seq.pending, room)
+            if n == 0:
                 seq.starved += 1
                 continue
-            n = min(seq.pending, room)
-            plan.prefill.append((seq, n))
-            room -= n
+            n = self._grow(seq, n, order, plan)
+            if n == 0:  # the least urgent left and the pool is full: it waits, keeping its blocks
+                seq.starved += 1
+                continue
             seq.starved = 0
+            if decoding:
+                plan.decode.append(seq)
+            else:
+                plan.prefill.append((seq, n))
+                room -= n
         for seq in self.waiting:
             seq.starved += 1
+        # Decode rows in context-length order: attention cuts them into segments of similar
+        # length, so a long request does not make short ones attend over its length.
+        plan.decode.sort(key=lambda s: s.computed)
         plan.sampled = plan.decode + [s for s, n in plan.prefill if s.computed + n == len(s.tokens)]
         return plan
 
+    def _grow(self, seq: Sequence, n: int, order: list[Sequence], plan: StepPlan) -> int:
+        """Blocks for `seq`'s next `n` tokens, preempting the least urgent requests after it in
+        `order` while the pool is short. Returns how many tokens it may compute (a prompt chunk
+        shrinks to what fits once there is nothing left to preempt; a decode token is all or
+        nothing)."""
+        bs = self.cache.block_size
+        while True:
+            need = blocks_for(seq.computed + n, bs) - len(seq.blocks)
+            if need <= self.cache.num_free:
+                break
+            if order[-1] is seq:
+                n = min(n, (len(seq.blocks) + self.cache.num_free) * bs - seq.computed)
+                if n <= 0:
+                    return 0
+                need = blocks_for(seq.computed + n, bs) - len(seq.blocks)
+                break
+            victim = order.pop()
+            self._preempt(victim)
+            plan.preempted.append(victim)
+        if need > 0:
+            seq.blocks.extend(self.cache.allocate(need))
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take a running request's blocks back; it waits and recomputes its whole context."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.cache.release(seq.blocks)
+        seq.blocks = []
+
     def _admit(self) -> None:
         self.waiting.sort(key=self._priority)
-        while self.waiting and self.cache.num_free:
+        promised = 0  # blocks the requests admitted now will take for their first chunk
+        while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self.budget.fits(seq.reserve):
+            first_chunk = blocks_for(min(seq.pending, self.prefill_chunk), self.cache.block_size)
+            if promised + first_chunk + self.watermark > self.cache.num_free:
                 return
+            promised += first_chunk
             self.waiting.pop(0)
-            seq.slot = self.cache.allocate()
             seq.starved = 0
-            self.budget.reserve(seq.reserve)
             self.running.append(seq)

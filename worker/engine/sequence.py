@@ -18,16 +18,16 @@ Lane = Literal["interactive", "batch"]
 @dataclass(eq=False)
 class Sequence:
     req: "EngineRequest"
-    reserve: int                    # KV tokens reserved while running (prompt + max_tokens)
     detok: "IncrementalDetokenizer"
     generator: torch.Generator | None  # seeded sampling only; unseeded rows share the engine's
     arrival: int                    # admission order tiebreak (FIFO within a lane)
     # every token of the context: prompt, tokens delivered by an earlier run, new output
     tokens: list[int] = field(default_factory=list)
     computed: int = 0               # tokens whose K/V are in the cache
-    slot: int = -1
+    blocks: list[int] = field(default_factory=list)  # KV block table: position p is in blocks[p // block_size]
     new_tokens: int = 0             # tokens sampled by this engine
     starved: int = 0                # consecutive steps it waited for admission / a prefill chunk
+    preemptions: int = 0            # times its KV blocks were taken back (it recomputes them)
     finished: bool = False
 
     @property
