@@ -334,6 +334,22 @@ def test_detokenizer_never_emits_broken_utf8(tokenizer, sample):
     assert "".join(pieces) == sample
 
 
+def test_detokenizer_backend_decode_equals_transformers_decode(tokenizer):
+    """The detokenizer calls the fast tokenizer's Rust backend directly (transformers' wrapper
+    costs more than the decode); both must give the same text for any ids, special tokens,
+    byte pieces and spaces before punctuation included."""
+    detok = IncrementalDetokenizer(tokenizer, [], stop=[])
+    assert detok._backend_decode is not None
+    rng = torch.Generator().manual_seed(5)
+    samples = [tokenizer("Hello , world ! 你好 👋 <|im_end|> x", add_special_tokens=False)["input_ids"]]
+    samples += [torch.randint(0, len(tokenizer), (n,), generator=rng).tolist() for n in (1, 2, 5, 17, 60)]
+    for sample in samples:
+        for end in range(1, len(sample) + 1):
+            ids_ = sample[:end]
+            assert detok._decode(ids_) == tokenizer.decode(ids_, skip_special_tokens=True,
+                                                           clean_up_tokenization_spaces=False)
+
+
 def test_detokenizer_holds_back_partial_stop_strings(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], stop=["END!"])
     emitted = ""
