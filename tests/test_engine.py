@@ -410,7 +410,9 @@ def test_a_failing_forward_pass_fails_its_requests_and_keeps_the_engine(model, t
     engine.add(EngineRequest("a", ids(tokenizer, "Hi"), greedy(5)))
     engine.add(EngineRequest("b", ids(tokenizer, "Hi"), greedy(5)))
     engine.step()
-    handle = model.model.layers[0].register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("oom")))
+    # a module the forward pass calls in its middle (the engine's decoder loop and generate alike)
+    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda *a: (_ for _ in ()).throw(RuntimeError("oom")))
     try:
         outs = engine.step()
     finally:
@@ -427,7 +429,7 @@ def test_cancel_final_comes_before_the_next_forward_pass(model, tokenizer):
     engine.add(EngineRequest("b", ids(tokenizer, PROMPTS[0]), greedy(50)))
     engine.step()
     forwards = []
-    handle = model.register_forward_hook(lambda *a: forwards.append(1))
+    handle = model.model.embed_tokens.register_forward_hook(lambda *a: forwards.append(1))  # once per forward
     try:
         engine.cancel("a")
         outs = engine.step()

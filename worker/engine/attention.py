@@ -1,10 +1,10 @@
-"""The attention function the engine plugs into transformers' attention interface.
+"""The engine's attention, with the signature of transformers' attention interface.
 
 Each step packs every request's new tokens into ONE sequence [1, T] (a decoding request adds one
 token, a prefilling request a chunk of its prompt) with per-token position ids, so the model's
-projections, MLPs and RoPE run once for the whole batch. transformers' attention modules hand us
-q/k/v of that packed sequence (no cache object is passed, so they do not try to update one); here
-we write the new keys/values into their rows of the `PagedKVCache` pool (one `index_copy_` per
+projections, MLPs and RoPE run once for the whole batch. The decoder loop (`decoder.py`) hands us
+q/k/v of that packed sequence; registered as an attention implementation, the same function
+lets `model.generate` run on the model unchanged (it then behaves as SDPA). Here we write the new keys/values into their rows of the `PagedKVCache` pool (one `index_copy_` per
 layer, the rows precomputed from the block tables) and attend:
 
 * decode tokens: rows come sorted by context length and are cut into segments

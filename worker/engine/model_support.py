@@ -9,7 +9,7 @@ says what is missing, instead of producing plausible but wrong text.
 
 Honoured: causal GQA/MHA attention, RoPE from position ids with a position-independent frequency
 table (default, linear, llama3), sliding-window attention (a mask, per layer), q/k norms (Qwen3,
-inside the model's own attention module), q/k/v biases (Qwen2).
+the model's own norm modules, called by `decoder.py`), q/k/v biases (Qwen2).
 Refused: soft-capped attention or logits (Gemma 2), RoPE scaling whose frequencies depend on the
 sequence length (dynamic NTK, longrope, yarn untested), any other family.
 """

@@ -1,4 +1,4 @@
-"""Executing a `StepPlan`: pack its tokens into one sequence, run the model once, sample.
+"""Executing a `StepPlan`: pack its tokens into one sequence, run the decoder once, sample.
 
 The runner owns the model call and the per-step index tensors; it never changes request
 state (the engine does that from the sampled tokens), so a failed forward pass leaves every
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine import attention
 from worker.engine.attention import DecodeSegment, PrefillChunk, StepMeta, decode_segments
+from worker.engine.decoder import Decoder
 from worker.engine.kv_cache import PagedKVCache, blocks_for
 from worker.engine.sampling import sample
 from worker.engine.scheduler import StepPlan
@@ -24,6 +24,7 @@ class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, *, groups: int, max_tokens: int, device: torch.device,
                  dtype: torch.dtype):
         self.model = model
+        self.decoder = Decoder(model)
         self.cache = cache
         self.groups = groups
         self.device = device
@@ -35,9 +36,6 @@ class ModelRunner:
         # host staging: [ids, positions, pool rows] rows, copied to the device in one transfer
         self._host = torch.zeros(3, max_tokens, dtype=torch.long, pin_memory=pin)
         self._dev = self._host if device.type == "cpu" else torch.zeros(3, max_tokens, dtype=torch.long, device=device)
-        # A 4D tensor makes transformers return it as the "mask" untouched instead of building
-        # a causal mask over the packed sequence that paged attention would not read.
-        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
     def _blocks(self, table: list[int]) -> torch.Tensor:
         return torch.tensor(table, dtype=torch.long).to(self.device, non_blocking=True)
@@ -77,14 +75,9 @@ class ModelRunner:
         self.cache.reserve_gather(max([s.blocks.numel() for s in meta.segments] + [c.blocks.numel() for c in chunks]))
         sampled = plan.sampled
         with torch.inference_mode():
-            out = self.model(
-                input_ids=ids_t[None], position_ids=pos_t[None], attention_mask=self._no_mask,
-                logits_to_keep=torch.tensor(keep or [total - 1], device=self.device),
-                use_cache=False, **{attention.META_KWARG: meta},
-            )
+            logits = self.decoder(ids_t, pos_t, torch.tensor(keep or [total - 1], device=self.device), meta)
             if not sampled:
                 return []
-            logits = out.logits[0]
             masked = [row for row, s in enumerate(sampled) if s.req.ignore_eos]
             if masked and self.eos_ids:
                 rows_m = torch.tensor(masked, device=self.device)[:, None]
