@@ -540,13 +540,15 @@ async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(
     client = aioredis.from_url(server.url)
     keys = Keys("oom")
     proc = start_worker(server.url, "oom", tiny_model_dir, tmp_path, name="w-oom",
-                        env={**FAST_CLAIM, "CLAIM_IDLE_MS": 60000, "MAX_BATCH": 1})
+                        env={**FAST_CLAIM, "CLAIM_IDLE_MS": 60000, "MAX_BATCH": 1, "MAX_SEQ_LEN": 16384})
     try:
         await client.config_set("maxmemory-policy", "noeviction")
         gw = "g-oom"
         rid = new_rid()
         await client.zadd(keys.conc("k"), {rid: int(time.time() * 1000) + 600_000})
-        await submit(client, keys, rid, gw=gw, key_id="k", prompt=PROMPT, max_tokens=2000, temperature=0.0)
+        # long enough that the tiny model is still generating when the writer gives up (~5 s of
+        # refusals): 2000 tokens took less than that on a fast CPU, and the request ended "done"
+        await submit(client, keys, rid, gw=gw, key_id="k", prompt=PROMPT, max_tokens=16000, temperature=0.0)
         await wait_for_tokens(client, keys, rid, 10)
         used = int((await client.info("memory"))["used_memory"])
         await client.config_set("maxmemory", str(used // 2))
@@ -563,7 +565,7 @@ async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(
         final = events[-1]
         assert final["k"] == "err" and final["code"] == "output_write_failed" and final["retryable"] is True
         assert final["seq"] > refused_at            # tokens made while Redis refused were kept, then written
-        assert final["seq"] < 2000
+        assert final["seq"] < 16000
         ref = await submit(client, keys, prompt=PROMPT, max_tokens=final["seq"], temperature=0.0)
         assert text_of(events) == text_of(await read_events(client, keys, ref, timeout=60))
         live, _ = await read_inbox(client, keys, gw, {rid}, timeout=10)
