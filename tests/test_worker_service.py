@@ -156,3 +156,35 @@ async def test_recovers_when_redis_lost_the_request_stream(worker_env, redis_cli
     rid = await submit(redis_client, keys, max_tokens=5)
     assert (await read_events(redis_client, keys, rid, timeout=30))[-1]["k"] == "done"
     assert proc.alive()
+
+
+@pytest.fixture(scope="module")
+def small_pool_env(redis_server, tiny_model_dir, tmp_path_factory):
+    """A worker whose KV pool (256 tokens) cannot hold four long requests at once."""
+    prefix = f"wkv{int(time.time() * 1000) % 10**8}"
+    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("wlogs"),
+                        name="w-kv", env={"MAX_BATCH": 4, "MAX_SEQ_LEN": 256, "KV_CACHE_TOKENS": 256,
+                                          "KV_BLOCK_SIZE": 16, "WORKER_HEARTBEAT_S": 0.5})
+    yield Keys(prefix), proc
+    proc.stop()
+
+
+async def test_a_full_kv_pool_preempts_and_streams_stay_exact(worker_env, small_pool_env, redis_client):
+    """Admission is optimistic, so four 120-token requests start together in a 256-token pool;
+    when it runs out, requests are preempted and recompute. Every stream is still exactly the
+    text a worker with room for all of them produces, and the registry counts the preemptions."""
+    keys, _ = small_pool_env
+    params = dict(max_tokens=120, prompt="Same prompt")
+    reference = text_of(await read_events(redis_client, worker_env[0],
+                                          await submit(redis_client, worker_env[0], **params)))
+    rids = [await submit(redis_client, keys, **params) for _ in range(4)]
+    for rid in rids:
+        events = await read_events(redis_client, keys, rid)
+        check_seqs(events)
+        assert events[-1]["k"] == "done" and events[-1]["seq"] == 120  # the tiny model does not stop early
+        assert text_of(events) == reference
+    assert await pending_after_acks(redis_client, keys) == 0
+    deadline = time.monotonic() + 5
+    while int(await redis_client.hget(keys.worker("w-kv"), "preemptions") or 0) == 0:
+        assert time.monotonic() < deadline, "no preemption was counted"
+        await asyncio.sleep(0.2)

@@ -65,6 +65,7 @@ class EngineThread:
         self.waiting = 0
         self.kv_used = 0
         self.kv_total = engine.kv_tokens_total
+        self.preemptions = 0
         # health: consecutive steps whose every output was an internal error (a poisoned CUDA
         # context fails every forward pass; the engine catches that and fails the step's
         # requests, so the thread itself stays alive and only its outputs tell)
@@ -128,6 +129,7 @@ class EngineThread:
             produced = [o for o in produced if not self._swallow(o)]
             self.running, self.waiting = self.engine.num_running, self.engine.num_waiting
             self.kv_used = self.engine.kv_tokens_used
+            self.preemptions = self.engine.preemptions
             if produced:
                 with self._cond:
                     self._outputs.append(produced)

@@ -118,7 +118,7 @@ class WorkerService:
             capacity=self.capacity, running=t.running, waiting=t.waiting, in_flight=self.running_count(),
             kv_used=t.kv_used, kv_total=t.kv_total, model=self.model_name, started_ms=self.started_ms,
             steps=t.steps, state="draining" if self.stopping else "unhealthy" if self.unhealthy else "ready",
-            reason=self.unhealthy)
+            reason=self.unhealthy, preemptions=t.preemptions)
 
     # ---- running -----------------------------------------------------------------------------
 

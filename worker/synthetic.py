@@ -89,6 +89,10 @@ class SyntheticEngine:
     def kv_tokens_used(self) -> int:
         return len(self._running) * 64
 
+    @property
+    def preemptions(self) -> int:
+        return 0  # no KV pool to run out of
+
     def add(self, req: EngineRequest) -> None:
         self._waiting.append(req)
 
