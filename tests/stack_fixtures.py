@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -139,6 +140,14 @@ def start_gateway(redis_url: str, prefix: str, log_dir: Path, *, port: int | Non
     return proc, base
 
 
+def gateway_settings(redis_url: str, prefix: str, **overrides):
+    """Settings of a test gateway on `prefix`: no heartbeats and no ping timeout (tests that
+    need them say so), the rest as given."""
+    from gateway.settings import GatewaySettings
+    return GatewaySettings(**{"redis_url": redis_url, "stream_prefix": prefix, "heartbeat_s": 0, "ping_timeout_s": 0,
+                              **overrides})
+
+
 @contextlib.contextmanager
 def prefix_with_worker(redis_url: str, model_dir: str | os.PathLike, log_dir: Path, *, name: str,
                        env: dict | None = None) -> Iterator[str]:
@@ -200,12 +209,17 @@ class InProcessGateway:
         if self.task is None:
             return
         self.server.should_exit = True
-        try:
-            await asyncio.wait_for(self.task, 30)
-        except asyncio.TimeoutError:
+        done, _ = await asyncio.wait({self.task}, timeout=30)
+        task, self.task = self.task, None
+        if not done:  # a gateway that does not stop is a bug: say where every task is stuck
+            stacks = io.StringIO()
+            for other in asyncio.all_tasks():
+                if other is not asyncio.current_task():
+                    other.print_stack(limit=12, file=stacks)
             self.server.force_exit = True
-            await self.task
-        self.task = None
+            task.cancel()
+            raise AssertionError(f"the in-process gateway did not stop within 30 s; tasks:\n{stacks.getvalue()}")
+        task.result()
 
 
 @contextlib.asynccontextmanager

@@ -18,16 +18,9 @@ import pytest
 import websockets
 
 from gateway.auth import hash_key
-from gateway.settings import GatewaySettings
 from shared.streams import Keys
 from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, read_until_reset, send_until_blocked
-from tests.stack_fixtures import gateway_in_process
-
-
-def settings_for(redis_server, prefix, **overrides) -> GatewaySettings:
-    base = dict(redis_url=redis_server.url, stream_prefix=prefix, heartbeat_s=0, ping_timeout_s=0)
-    base.update(overrides)
-    return GatewaySettings(**base)
+from tests.stack_fixtures import gateway_in_process, gateway_settings
 
 
 async def silent_worker(redis_client, prefix: str) -> None:
@@ -67,7 +60,7 @@ LONE = "\\ud800"   # a JSON escape of a lone surrogate, as the frame carries it
 async def test_lone_surrogates_anywhere_get_invalid_request_and_the_socket_lives(redis_server, stream_prefix,
                                                                                  redis_client, frame):
     await silent_worker(redis_client, stream_prefix)
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         await c.ws.send(frame)
         reply = await c.recv_any(timeout=5)
@@ -86,7 +79,7 @@ async def test_a_failing_sender_closes_the_socket_with_a_typed_error(redis_serve
     and a close, never an open socket that stays silent."""
     from gateway.socket_io import FrameSocket
 
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, heartbeat_s=0.2)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, heartbeat_s=0.2)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         await eventually(lambda: gw.hub.connections, timeout=1)
         conn = next(iter(gw.hub.connections))
@@ -113,7 +106,7 @@ async def test_a_failing_sender_closes_the_socket_with_a_typed_error(redis_serve
 
 async def test_strict_types_json_and_msgpack(redis_server, stream_prefix, redis_client):
     await silent_worker(redis_client, stream_prefix)
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         j = await GatewayClient.connect(gw.ws_url)
         for bad in ({"max_tokens": "10"}, {"max_tokens": 10.5}, {"max_tokens": True}, {"temperature": "0.5"},
                     {"seed": "7"}, {"top_k": 2.0}):
@@ -135,7 +128,7 @@ async def test_strict_types_json_and_msgpack(redis_server, stream_prefix, redis_
 
 
 async def test_refused_origin_gets_the_error_frame_before_close_1008(redis_server, stream_prefix):
-    settings = settings_for(redis_server, stream_prefix, allowed_origins="https://chat.example.com")
+    settings = gateway_settings(redis_server.url, stream_prefix, allowed_origins="https://chat.example.com")
     async with gateway_in_process(settings) as gw:
         for binary in (False, True):
             evil = await GatewayClient.connect(gw.ws_url, binary=binary, origin="https://evil.example.net")
@@ -145,7 +138,7 @@ async def test_refused_origin_gets_the_error_frame_before_close_1008(redis_serve
 
 
 async def test_json_is_spoken_when_no_subprotocol_is_offered(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         ws = await websockets.connect(gw.ws_url)
         assert ws.subprotocol is None
         await ws.send(json.dumps({"type": "ping", "nonce": 3}))
@@ -157,7 +150,7 @@ async def test_json_is_spoken_when_no_subprotocol_is_offered(redis_server, strea
 # ---------------------------------------------------------------------------- item 7: memory bounds
 
 async def test_pong_nonce_is_bounded(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         await c.send(type="ping", nonce="n" * 64)
         assert (await c.recv_any())["nonce"] == "n" * 64
@@ -173,7 +166,7 @@ async def test_pong_nonce_is_bounded(redis_server, stream_prefix):
 async def test_a_fast_pipelining_client_is_slowed_not_cut_off(redis_server, stream_prefix):
     """Thousands of pings sent at once with default queue bounds: replies are held back by
     backpressure on the reader, every one is answered, nobody is called a slow consumer."""
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, send_queue_max=16,
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, send_queue_max=16,
                                                send_queue_max_bytes=2048)) as gw:
         c = await GatewayClient.connect(gw.ws_url, binary=True)
         n = 3000
@@ -190,7 +183,7 @@ async def test_a_client_that_stops_reading_holds_bounded_control_bytes_and_is_cl
     waiting for it stay within SEND_QUEUE_MAX_BYTES, and once a send has been blocked for
     SLOW_CONSUMER_S the TCP connection is really dropped (not just marked)."""
     bound = 20_000
-    settings = settings_for(redis_server, stream_prefix, send_queue_max_bytes=bound, slow_consumer_s=1.0,
+    settings = gateway_settings(redis_server.url, stream_prefix, send_queue_max_bytes=bound, slow_consumer_s=1.0,
                             sweep_interval_s=0.1)
     async with gateway_in_process(settings) as gw:
         sock = await asyncio.to_thread(open_raw_socket, "127.0.0.1", gw.port, rcvbuf=4096)
@@ -212,7 +205,7 @@ async def test_a_client_that_stops_reading_holds_bounded_control_bytes_and_is_cl
 
 async def test_sockets_per_address_and_per_key_are_capped(redis_server, stream_prefix):
     keys = f"team:{hash_key('sk-team')}"
-    settings = settings_for(redis_server, stream_prefix, max_sockets_per_address=3, max_sockets_per_key=2,
+    settings = gateway_settings(redis_server.url, stream_prefix, max_sockets_per_address=3, max_sockets_per_key=2,
                             api_keys=keys)
     headers = {"Authorization": "Bearer sk-team"}
     async with gateway_in_process(settings) as gw:
@@ -256,7 +249,7 @@ async def start(c: GatewayClient, cid: str) -> str:
 async def test_resume_needs_the_request_id_and_the_same_key(redis_server, stream_prefix, redis_client):
     await silent_worker(redis_client, stream_prefix)
     keys = f"alice:{hash_key('sk-alice')},bob:{hash_key('sk-bob')}"
-    settings = settings_for(redis_server, stream_prefix, api_keys=keys, resume_grace_s=30)
+    settings = gateway_settings(redis_server.url, stream_prefix, api_keys=keys, resume_grace_s=30)
     alice_h, bob_h = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
     async with gateway_in_process(settings) as gw:
         phone = await GatewayClient.connect(gw.ws_url, headers=alice_h)
@@ -290,7 +283,7 @@ async def test_resume_needs_the_request_id_and_the_same_key(redis_server, stream
 async def test_anonymous_sockets_have_their_own_identity_and_resume_by_request_id(redis_server, stream_prefix,
                                                                                   redis_client):
     await silent_worker(redis_client, stream_prefix)
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, resume_grace_s=30,
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, resume_grace_s=30,
                                                per_key_concurrency=1)) as gw:
         a = await GatewayClient.connect(gw.ws_url)
         b = await GatewayClient.connect(gw.ws_url)
@@ -308,7 +301,7 @@ async def test_anonymous_sockets_have_their_own_identity_and_resume_by_request_i
 
 
 async def test_resume_attempts_are_rate_limited_per_socket(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, resume_rate_per_min=3)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, resume_rate_per_min=3)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         codes = []
         for i in range(5):
@@ -324,7 +317,7 @@ async def test_resume_attempts_are_rate_limited_per_socket(redis_server, stream_
 
 async def test_a_request_without_progress_ends_stalled_and_retryable(redis_server, stream_prefix, redis_client):
     await silent_worker(redis_client, stream_prefix)
-    settings = settings_for(redis_server, stream_prefix, request_stall_s=0.6, sweep_interval_s=0.1)
+    settings = gateway_settings(redis_server.url, stream_prefix, request_stall_s=0.6, sweep_interval_s=0.1)
     async with gateway_in_process(settings) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         t0 = time.monotonic()
@@ -345,7 +338,7 @@ async def test_a_request_without_progress_ends_stalled_and_retryable(redis_serve
 # ---------------------------------------------------------------------------- auth promises
 
 async def test_auth_required_with_no_keys_refuses_everyone(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, auth_required=True,
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, auth_required=True,
                                                auth_timeout_s=0.5)) as gw:
         for headers in (None, {"Authorization": "Bearer anything"}):
             c = await GatewayClient.connect(gw.ws_url, headers=headers)
@@ -357,14 +350,14 @@ async def test_auth_required_with_no_keys_refuses_everyone(redis_server, stream_
 
 
 async def test_admin_token_guards_the_metrics_endpoint(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, admin_token="s3cret")) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, admin_token="s3cret")) as gw:
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert (await http.get("/metrics")).status_code == 401
             assert (await http.get("/metrics", headers={"Authorization": "Bearer wrong"})).status_code == 401
             ok = await http.get("/metrics", headers={"Authorization": "Bearer s3cret"})
             assert ok.status_code == 200 and "gateway_active_sockets" in ok.text
             assert (await http.get("/healthz")).status_code == 200        # probes stay open
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert (await http.get("/metrics")).status_code == 200      # no token configured: open
 
@@ -373,7 +366,7 @@ async def test_admin_token_guards_the_metrics_endpoint(redis_server, stream_pref
 
 async def test_cancel_fallback_when_the_owning_worker_never_confirms(redis_server, stream_prefix, redis_client):
     await silent_worker(redis_client, stream_prefix)
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, cancel_fallback_s=0.8)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, cancel_fallback_s=0.8)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         rid = await start(c, "f")
         await redis_client.hset(Keys(stream_prefix).meta(rid), "owner", "ghost")   # taken by a worker that froze
@@ -389,7 +382,7 @@ async def test_cancel_fallback_when_the_owning_worker_never_confirms(redis_serve
 
 
 async def test_draining_readyz_503_and_shutting_down(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         async with httpx.AsyncClient(base_url=gw.base) as http:
             for _ in range(50):
@@ -410,7 +403,7 @@ async def test_draining_readyz_503_and_shutting_down(redis_server, stream_prefix
 
 async def test_resume_expired_after_output_ttl(redis_server, stream_prefix, redis_client):
     await silent_worker(redis_client, stream_prefix)
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, output_ttl_s=1,
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, output_ttl_s=1,
                                                resume_grace_s=30)) as gw:
         a = await GatewayClient.connect(gw.ws_url)
         rid = await start(a, "t")
@@ -434,7 +427,7 @@ async def test_admission_admits_exactly_max_queue_depth(redis_server, stream_pre
     for cache_ms in (60_000, 0):
         prefix = f"{stream_prefix}{cache_ms}"
         await silent_worker(redis_client, prefix)
-        async with gateway_in_process(settings_for(redis_server, prefix, max_queue_depth=3,
+        async with gateway_in_process(gateway_settings(redis_server.url, prefix, max_queue_depth=3,
                                                    admission_cache_ms=cache_ms)) as gw:
             c = await GatewayClient.connect(gw.ws_url)
             replies = []

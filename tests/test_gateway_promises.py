@@ -10,15 +10,15 @@ serves the module; each test starts its own in-process gateway.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
 
 import pytest
 
-from gateway.settings import GatewaySettings
 from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, send_until_blocked
-from tests.stack_fixtures import gateway_in_process, start_worker
+from tests.stack_fixtures import gateway_in_process, gateway_settings, start_worker
 
 LONG = 1500
 
@@ -38,12 +38,7 @@ def worker(redis_server, prefix, tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def make_settings(redis_server, prefix, worker):
-    def make(**overrides) -> GatewaySettings:
-        base = dict(redis_url=redis_server.url, stream_prefix=prefix, heartbeat_s=0, ping_timeout_s=0,
-                    resume_grace_s=0, sweep_interval_s=0.1)
-        base.update(overrides)
-        return GatewaySettings(**base)
-    return make
+    return functools.partial(gateway_settings, redis_server.url, prefix, resume_grace_s=0, sweep_interval_s=0.1)
 
 
 async def run(c: GatewayClient, cid: str, **params) -> tuple[str, list[dict], dict]:

@@ -21,17 +21,11 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.localredis import free_port
 from shared.streams import Keys
 from tests.gateway_client import GatewayClient
-from tests.stack_fixtures import gateway_in_process
-
-
-def settings_for(redis_server, prefix, **overrides) -> GatewaySettings:
-    base = dict(redis_url=redis_server.url, stream_prefix=prefix, heartbeat_s=0, ping_timeout_s=0)
-    base.update(overrides)
-    return GatewaySettings(**base)
+from tests.stack_fixtures import gateway_in_process, gateway_settings
 
 
 async def test_garbage_oversize_and_invalid_frames_get_typed_errors_and_the_socket_survives(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, max_frame_bytes=1024)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, max_frame_bytes=1024)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         cases = [
             ("not json at all", "bad_frame"),
@@ -59,7 +53,7 @@ async def test_garbage_oversize_and_invalid_frames_get_typed_errors_and_the_sock
 
 
 async def test_limits_on_prompt_and_max_tokens(redis_server, stream_prefix):
-    settings = settings_for(redis_server, stream_prefix, max_prompt_chars=100, max_tokens_cap=64)
+    settings = gateway_settings(redis_server.url, stream_prefix, max_prompt_chars=100, max_tokens_cap=64)
     async with gateway_in_process(settings) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         await c.send(type="generate", id="p", prompt="y" * 101)
@@ -73,7 +67,7 @@ async def test_limits_on_prompt_and_max_tokens(redis_server, stream_prefix):
 
 
 async def test_frame_beyond_the_websocket_limit_closes_only_that_socket(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, max_frame_bytes=1024)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, max_frame_bytes=1024)) as gw:
         other = await GatewayClient.connect(gw.ws_url)
         bad = await GatewayClient.connect(gw.ws_url, max_size=None)
         await bad.ws.send("x" * (gw.settings.ws_max_size_bytes + 10))
@@ -86,7 +80,7 @@ async def test_frame_beyond_the_websocket_limit_closes_only_that_socket(redis_se
 
 
 async def test_thousands_of_messages_per_second_are_all_answered_in_order(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, send_queue_max=100000, send_queue_max_bytes=2**24)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, send_queue_max=100000, send_queue_max_bytes=2**24)) as gw:
         c = await GatewayClient.connect(gw.ws_url, binary=True)
         n = 4000
         t0 = time.monotonic()
@@ -109,7 +103,7 @@ async def test_thousands_of_messages_per_second_are_all_answered_in_order(redis_
 
 
 async def test_msgpack_subprotocol_is_negotiated(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         c = await GatewayClient.connect(gw.ws_url, binary=True)
         assert c.ws.subprotocol == "llm-stream.msgpack"
         await c.send(type="ping", nonce=5)
@@ -120,7 +114,7 @@ async def test_msgpack_subprotocol_is_negotiated(redis_server, stream_prefix):
 
 async def test_api_keys_header_query_first_message_and_rejections(redis_server, stream_prefix):
     keys = f"alice:{hash_key('sk-alice')},bob:{hash_key('sk-bob')}"
-    async with gateway_in_process(settings_for(redis_server, stream_prefix, api_keys=keys, auth_timeout_s=0.5)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, api_keys=keys, auth_timeout_s=0.5)) as gw:
         for kwargs in ({"headers": {"Authorization": "Bearer sk-alice"}}, {"url": gw.ws_url + "?api_key=sk-bob"}):
             c = await GatewayClient.connect(kwargs.get("url", gw.ws_url), headers=kwargs.get("headers"))
             await c.send(type="ping", nonce="ok")
@@ -148,7 +142,7 @@ async def test_api_keys_header_query_first_message_and_rejections(redis_server, 
 
 
 async def test_origin_allow_list(redis_server, stream_prefix):
-    settings = settings_for(redis_server, stream_prefix, allowed_origins="https://chat.example.com")
+    settings = gateway_settings(redis_server.url, stream_prefix, allowed_origins="https://chat.example.com")
     async with gateway_in_process(settings) as gw:
         ok = await GatewayClient.connect(gw.ws_url, origin="https://chat.example.com")
         await ok.send(type="ping")
@@ -164,7 +158,7 @@ async def test_origin_allow_list(redis_server, stream_prefix):
 
 
 async def test_no_live_worker_means_overloaded_not_a_silent_queue(redis_server, stream_prefix, redis_client):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         await c.send(type="generate", id="g", prompt="hello")
         err = await c.recv("g")
@@ -174,7 +168,7 @@ async def test_no_live_worker_means_overloaded_not_a_silent_queue(redis_server, 
 
 
 async def test_healthz_readyz_metrics_and_page(redis_server, stream_prefix):
-    async with gateway_in_process(settings_for(redis_server, stream_prefix)) as gw:
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert (await http.get("/healthz")).status_code == 200
             for _ in range(50):

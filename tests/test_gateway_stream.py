@@ -8,6 +8,7 @@ settings it needs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import time
 import uuid
@@ -18,10 +19,9 @@ import pytest
 import websockets
 
 from gateway.auth import hash_key
-from gateway.settings import GatewaySettings
 from shared.streams import ENTRY_FIELD, Keys, decode_event
 from tests.gateway_client import GatewayClient
-from tests.stack_fixtures import gateway_in_process, start_gateway, start_worker
+from tests.stack_fixtures import gateway_in_process, gateway_settings, start_gateway, start_worker
 
 LONG = 1500   # max_tokens for a request that must still be running when the test acts on it
 
@@ -41,12 +41,7 @@ def worker(redis_server, worker_prefix, tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def make_settings(redis_server, worker_prefix, worker):
-    def make(**overrides) -> GatewaySettings:
-        base = dict(redis_url=redis_server.url, stream_prefix=worker_prefix, heartbeat_s=0, ping_timeout_s=0,
-                    resume_grace_s=0, sweep_interval_s=0.1)
-        base.update(overrides)
-        return GatewaySettings(**base)
-    return make
+    return functools.partial(gateway_settings, redis_server.url, worker_prefix, resume_grace_s=0, sweep_interval_s=0.1)
 
 
 async def out_events(redis_client, prefix: str, rid: str) -> list[dict]:
