@@ -9,6 +9,7 @@ A second signal stops at once (requests still pending are claimed by others afte
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -16,6 +17,15 @@ import sys
 
 from shared.config import get_settings
 from worker.model_files import SMOLLM2_GGUF
+
+
+def dump_stacks() -> None:
+    """Every asyncio task's and thread's stack to stdout: a drain that needed a second signal
+    is a bug, and this says where it waited."""
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=12, file=sys.stdout)
+    sys.stdout.flush()
+    faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
 
 
 def main() -> int:
@@ -38,7 +48,8 @@ def main() -> int:
         def on_signal(signum: int) -> None:
             signals["count"] += 1
             if signals["count"] > 1:
-                logging.getLogger("worker").warning("second signal: exiting now")
+                logging.getLogger("worker").warning("second signal: exiting now; where the drain was:")
+                dump_stacks()
                 os._exit(1)
             logging.getLogger("worker").info("signal %d: draining", signum)
             service.request_stop()
