@@ -16,6 +16,8 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from shared.aio import cancel_and_wait
+
 if TYPE_CHECKING:
     from gateway.connection import Connection
 
@@ -45,12 +47,7 @@ class HeartbeatWheel:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="gateway-heartbeats")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

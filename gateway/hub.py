@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.socket_caps import SocketCaps
 from gateway.submit import Submitter
+from shared.aio import cancel_and_wait
 from shared.redis_client import connect
 from shared.streams import Keys
 
@@ -81,12 +82,7 @@ class Hub:
 
     async def stop(self) -> None:
         await self.heartbeats.stop()
-        if self._housekeeping:
-            self._housekeeping.cancel()
-            try:
-                await self._housekeeping
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._housekeeping)
         if self.reader:
             await self.reader.stop()
         if self.redis:

@@ -25,6 +25,7 @@ from typing import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from shared.aio import cancel_and_wait
 from shared.streams import ENTRY_FIELD, as_str, decode_event_list
 
 log = logging.getLogger("gateway.inbox")
@@ -83,12 +84,7 @@ class Inbox:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="inbox-reader")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         backoff = 0.05

@@ -31,6 +31,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.requests import RequestState, RequestTable
 from gateway.settings import GatewaySettings
 from gateway.socket_io import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, FrameSocket, Payload
+from shared.aio import cancel_and_wait, wait_event
 from shared.errors import ErrorCode
 from shared.protocol import Error, Heartbeat
 
@@ -88,12 +89,7 @@ class Sender:
 
     async def stop(self) -> None:
         self._stopped = True
-        if self._task and not self._task.done():
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         self._discard_control()
 
     async def wait(self, timeout: float) -> None:
@@ -201,10 +197,7 @@ class Sender:
                 if timeout is None:
                     await self._wake.wait()
                 elif timeout > 0:
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout)
-                    except asyncio.TimeoutError:
-                        pass
+                    await wait_event(self._wake, timeout)  # not wait_for: it can lose stop()'s cancel (3.11)
                 else:
                     await asyncio.sleep(0)  # never starve the loop, whatever is due
             else:

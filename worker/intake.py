@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
 
+from shared.aio import wait_event
 from shared.errors import ErrorCode
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_ATT, META_EPOCH, META_GW, META_KEY, META_OWNER,
                             RequestEntry, as_str, decode_event)
@@ -124,11 +125,8 @@ class Intake:
         scan_every = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
         last_trim = last_scan = 0.0
         while not svc.stopping:
-            try:
-                await asyncio.wait_for(svc.stop_event.wait(), DEAD_CHECK_S)
+            if await wait_event(svc.stop_event, DEAD_CHECK_S):
                 return
-            except asyncio.TimeoutError:
-                pass
             try:
                 await with_backoff(self.claim_dead_workers, "claim from dead workers", lambda: svc.stopping)
                 free = svc.free_slots()

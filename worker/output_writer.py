@@ -45,6 +45,7 @@ from typing import Callable, Iterable
 from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
 
 from shared.config import Settings
+from shared.aio import wait_event
 from shared.errors import ErrorCode
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_attach_marker, pack_event_list
 from worker.engine import StepOutput
@@ -275,10 +276,7 @@ class OutputWriter:
             else:
                 timeout = next_tick - now
             if timeout > 0:
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(wake, timeout)   # not wait_for: it can lose the stop's cancel (3.11)
             wake.clear()
             if queued_outputs(states) < self.settings.output_buffer_max:
                 route(take_outputs(), states)   # else leave them: the engine pauses on a full buffer

@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from shared.aio import cancel_and_wait
 from shared.config import Settings
 from shared.streams import Keys
 from worker import registry
@@ -161,9 +162,7 @@ class WorkerService:
             await asyncio.gather(*feeders, return_exceptions=True)
             await self.lifecycle.drain()
         finally:
-            for task in feeders + tasks:
-                task.cancel()
-            await asyncio.gather(*feeders, *tasks, return_exceptions=True)
+            await asyncio.gather(*(cancel_and_wait(task) for task in feeders + tasks))
             self.thread.stop()
             for client in (self.redis, self.intake_redis, self.ctl_redis):
                 await client.aclose()
