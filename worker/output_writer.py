@@ -298,10 +298,14 @@ class OutputWriter:
 
     async def attach(self, st: InFlight, gw: str, att: int) -> None:
         """Route rid's live events to `gw` from now on: flush what is queued, then the marker
-        "everything <= S is in history" goes to the new inbox ahead of later live events."""
-        st.gw = gw
-        st.marker_att = att
-        await self.commit([st])
+        "everything <= S is in history" goes to the new inbox ahead of later live events.
+        The switch happens under the commit lock: a commit in flight routes its live copies
+        after its history write, and switching mid-way sent tokens to the new gateway ahead
+        of the marker (seen on a fast CPU)."""
+        async with self.lock:
+            st.gw = gw
+            st.marker_att = att
+            await self._commit([st], [])
 
     async def attach_unknown(self, rid: str, gw: str, att: int) -> None:
         """This worker does not hold rid: tell the gateway to read the history to its end."""
