@@ -64,9 +64,9 @@ def measure(model, tok, rows: int, steps: int) -> dict:
                                  params=SamplingParams(max_tokens=steps + 8, temperature=0.0), ignore_eos=True))
     for _ in range(3):  # prefill and warm-up
         engine.step()
-    forward = Timed(engine.runner.model)
+    forward = Timed(engine.runner.decoder)
     sample = Timed(runner_module.sample)
-    engine.runner.model, runner_module.sample = forward, sample
+    engine.runner.decoder, runner_module.sample = forward, sample
     per_step = []
     try:
         for _ in range(steps):
@@ -75,7 +75,7 @@ def measure(model, tok, rows: int, steps: int) -> dict:
             per_step.append(time.perf_counter() - t)
             assert len(outs) == rows
     finally:
-        engine.runner.model, runner_module.sample = forward.fn, sample.fn
+        engine.runner.decoder, runner_module.sample = forward.fn, sample.fn
     total = sum(per_step)
     device = forward.seconds + sample.seconds
     host = total - device

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine import attention
-
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+from worker.engine.model_support import SUPPORTED_FAMILIES
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,7 +73,7 @@ class Decoder:
 
     def __init__(self, model):
         config = model.config.get_text_config()
-        if config.model_type not in FAMILIES:
+        if config.model_type not in SUPPORTED_FAMILIES:
             raise ValueError(f"no direct decoder loop for {config.model_type!r}")
         base = model.model
         self.embed = base.embed_tokens

@@ -23,7 +23,6 @@ from worker.engine.scheduler import StepPlan
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, *, groups: int, max_tokens: int, device: torch.device,
                  dtype: torch.dtype):
-        self.model = model
         self.decoder = Decoder(model)
         self.cache = cache
         self.groups = groups
