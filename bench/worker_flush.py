@@ -15,6 +15,10 @@ coalescing adds, plus the hop.
 
     .venv/bin/python bench/worker_flush.py                  # 256 streams, 5 ms steps, 0/5/10/15/20/30 ms
     .venv/bin/python bench/worker_flush.py --streams 64 --step-ms 2 --flush 0,15
+    .venv/bin/python bench/worker_flush.py --flush 15 --baseline-root /tmp/base --repeat 2   # vs another commit
+
+`cpu_ratio` compares worker CPU per token (`cpu_us_per_token`), not cores: a worker that keeps a
+faster pace uses more cores for the same work.
 """
 
 from __future__ import annotations
@@ -47,12 +51,12 @@ async def commands_total(r) -> int:
 
 
 async def run_cell(server: LocalRedis, work: Path, streams: int, step_ms: float, flush_ms: int,
-                   max_tokens: int) -> dict:
+                   max_tokens: int, root: Path = ROOT) -> dict:
     prefix = f"b{uuid.uuid4().hex[:6]}"
     keys = Keys(prefix)
     log_path = work / f"synthetic-{prefix}.log"
     popen = subprocess.Popen([sys.executable, "-m", "worker.synthetic", "--step-ms", str(step_ms),
-                              "--max-batch", str(streams)], cwd=ROOT, stdout=open(log_path, "ab"),
+                              "--max-batch", str(streams)], cwd=root, stdout=open(log_path, "ab"),
                              stderr=subprocess.STDOUT, start_new_session=True,
                              env=_env(server.url, prefix, {"WORKER_FLUSH_MS": flush_ms, "WORKER_ID": prefix}))
     proc = Proc(popen, log_path)
@@ -94,7 +98,7 @@ async def run_cell(server: LocalRedis, work: Path, streams: int, step_ms: float,
                 "achieved_step_ms": round(wall * 1000 / steps, 2),
                 "tok_per_s": round(tokens / wall), "cmds_per_token": round(cmds / max(1, tokens), 4),
                 "inbox_entries_per_s": round(entries / wall), "tokens_per_event": round(tokens / max(1, events), 2),
-                "worker_cores": round(cpu / wall, 2),
+                "worker_cores": round(cpu / wall, 2), "cpu_us_per_token": round(1e6 * cpu / max(1, tokens), 2),
                 "delay_p50_ms": round(percentile(delays, 50), 1), "delay_p95_ms": round(percentile(delays, 95), 1),
                 "delay_p99_ms": round(percentile(delays, 99), 1)}
     finally:
@@ -108,23 +112,36 @@ async def main() -> None:
     ap.add_argument("--step-ms", type=float, default=5.0)
     ap.add_argument("--flush", default="0,5,10,15,20,30")
     ap.add_argument("--max-tokens", type=int, default=600)
+    ap.add_argument("--baseline-root", type=Path, default=None,
+                    help="another checkout (e.g. `git worktree add /tmp/base main`): every cell also runs its "
+                         "worker, alternating, and ratios compare with it instead of WORKER_FLUSH_MS=0")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each cell (per code tree)")
     args = ap.parse_args()
     server = LocalRedis().start()
     work = Path(tempfile.mkdtemp(prefix="bench-wflush-"))
     rows = []
     try:
+        trees = [("baseline", args.baseline_root.resolve())] if args.baseline_root else []
+        trees.append(("this", ROOT))
         for flush_ms in [int(x) for x in args.flush.split(",")]:
-            rows.append(await run_cell(server, work, args.streams, args.step_ms, flush_ms, args.max_tokens))
-            print(rows[-1], flush=True)
+            for _ in range(args.repeat):
+                for code, root in trees:
+                    rows.append({"code": code, **await run_cell(server, work, args.streams, args.step_ms, flush_ms,
+                                                                args.max_tokens, root)})
+                    print(rows[-1], flush=True)
     finally:
         server.stop()
-    base = next((r for r in rows if r["flush_ms"] == 0), rows[0])
     for row in rows:
-        row["cmds_ratio"] = round(row["cmds_per_token"] / base["cmds_per_token"], 3)
-        row["cpu_ratio"] = round(row["worker_cores"] / max(0.01, base["worker_cores"]), 2)
-    cols = ["streams", "step_ms", "flush_ms", "tokens", "seconds", "achieved_step_ms", "tok_per_s", "cmds_per_token",
-            "cmds_ratio", "inbox_entries_per_s", "tokens_per_event", "worker_cores", "cpu_ratio",
-            "delay_p50_ms", "delay_p95_ms", "delay_p99_ms", "unfinished"]
+        if args.baseline_root:   # the same cell on the baseline tree (mean of its runs)
+            same = [r for r in rows if r["code"] == "baseline" and r["flush_ms"] == row["flush_ms"]]
+        else:                    # per-step writes (WORKER_FLUSH_MS=0) of this tree
+            same = [r for r in rows if r["flush_ms"] == 0] or rows[:1]
+        mean = lambda key: sum(r[key] for r in same) / len(same)  # noqa: E731
+        row["cmds_ratio"] = round(row["cmds_per_token"] / mean("cmds_per_token"), 3)
+        row["cpu_ratio"] = round(row["cpu_us_per_token"] / mean("cpu_us_per_token"), 2)
+    cols = ["code", "streams", "step_ms", "flush_ms", "tokens", "seconds", "achieved_step_ms", "tok_per_s",
+            "cmds_per_token", "cmds_ratio", "inbox_entries_per_s", "tokens_per_event", "worker_cores",
+            "cpu_us_per_token", "cpu_ratio", "delay_p50_ms", "delay_p95_ms", "delay_p99_ms", "unfinished"]
     print(table(rows, cols))
     print("wrote", write_json(f"worker_flush_{args.streams}x{args.step_ms:g}ms", {"args": vars(args), "rows": rows}))
 

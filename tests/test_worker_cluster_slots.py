@@ -96,3 +96,30 @@ async def test_worker_keeps_every_transaction_in_one_slot(cluster_mode_redis, ti
     finally:
         proc.stop()
         await client.aclose()
+
+
+async def test_history_calls_carry_one_request_each_where_the_node_enforces_slots(cluster_mode_redis):
+    """The writer batches many requests into one history script call, which a node in cluster
+    mode refuses (CROSSSLOT: each request's keys are in their own slot). Through a plain client
+    it must notice the node's mode and write one request a call, so every request is written."""
+    from shared.config import Settings
+    from shared.redis_client import connect
+    from shared.streams import decode_event_list
+    from worker.engine import StepOutput
+    from worker.events import InFlight, Progress
+    from worker.output_writer import OutputWriter
+
+    client = connect(cluster_mode_redis, socket_timeout=None)
+    keys = Keys("hb")
+    try:
+        writer = OutputWriter(client, keys, Settings(stream_prefix="hb"), "w")
+        states = [InFlight.start(f"r{i}", f"{i}-0", None, Progress(), epoch=1, gw="g") for i in range(6)]
+        for st in states:
+            await client.hset(keys.meta(st.rid), "epoch", 1)
+            st.add_output(StepOutput(st.rid, " x", [5], False, None, 1, 1))
+        await writer.commit(states)
+        assert all(st.written_seq == 1 and not st.failures for st in states)
+        inbox = [e for _, f in await client.xrange(keys.inbox("g")) for e in decode_event_list(f[ENTRY_FIELD])]
+        assert sorted(e["rid"] for e in inbox) == [st.rid for st in states]
+    finally:
+        await client.aclose()

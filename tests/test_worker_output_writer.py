@@ -4,6 +4,8 @@ Redis refuses writes (maxmemory + noeviction)."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 
 import pytest
@@ -11,10 +13,13 @@ import redis.asyncio as aioredis
 
 from shared.config import Settings
 from shared.localredis import LocalRedis
+from shared.redis_client import connect
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event_list
 from worker.engine import StepOutput
 from worker.events import InFlight, Progress
+from worker import output_writer
 from worker.output_writer import MAX_WRITE_FAILURES, OutputWriter
+from worker.redis_io import TRANSIENT
 from tests.worker_redis import check_seqs, read_events
 
 
@@ -150,3 +155,113 @@ async def test_history_writes_are_fenced_by_epoch_and_conflicts_are_not_success(
     assert await writer.commit([clash]) == []
     assert clash.written_seq == 1 and clash.failures == 1 and not clash.fenced
     # (our own event written again, a retry whose reply was lost, is success: the first test)
+
+
+async def test_a_commit_to_a_frozen_redis_fails_transient_within_its_deadline(monkeypatch):
+    """The writer's client has no per-reply socket timeout; one deadline per round trip must
+    still turn a hung Redis (SIGSTOP: a partition, a stuck node) into a transient error that
+    the caller retries, never a commit that waits forever. After the deadline the connection is
+    dropped, so the retry once Redis is back reads its own replies, not stale ones."""
+    monkeypatch.setattr(output_writer, "ROUND_TRIP_TIMEOUT_S", 0.5)
+    server = LocalRedis().start()
+    redis = connect(server.url, socket_timeout=None)
+    keys = Keys("dl")
+    try:
+        writer = OutputWriter(redis, keys, Settings(stream_prefix="dl"), "w")
+        st = await pending_request(redis, keys, "r3")
+        st.add_output(tok("r3", 1))
+        await writer.commit([st])
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            st.add_output(tok("r3", 2))
+            before = time.monotonic()
+            with pytest.raises(TRANSIENT):
+                await asyncio.wait_for(writer.commit([st]), 5)
+            assert time.monotonic() - before < 2
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        st.add_output(tok("r3", 3))
+        st.add_output(StepOutput("r3", "", [], True, "length", 1, 3))
+        assert await writer.commit([st]) == [st]
+        events = await read_events(redis, keys, "r3", timeout=5)
+        check_seqs(events)
+        assert [(e["k"], e["seq"]) for e in events] == [("tok", 1), ("tok", 2), ("tok", 3), ("done", 3)]
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+@pytest.mark.parametrize("batch", [2, 128])
+async def test_one_refused_request_in_a_history_call_does_not_stop_the_others(redis_client, stream_prefix,
+                                                                               monkeypatch, batch):
+    """Requests share history script calls (HISTORY_BATCH per call): a fenced request and a
+    conflicting one in the middle of a call are refused alone, the requests around them and in
+    the other calls are written, and each request's reply goes to that request."""
+    monkeypatch.setattr(output_writer, "HISTORY_BATCH", batch)
+    keys = Keys(stream_prefix)
+    dropped: list = []
+    writer = OutputWriter(redis_client, keys, Settings(stream_prefix=stream_prefix), "w", on_fenced=dropped.append)
+    rids = ["a", "b", "fenced", "c", "clash", "d", "e"]
+    states = {rid: InFlight.start(rid, f"{i}-0", None, Progress(), epoch=1, gw="g") for i, rid in enumerate(rids)}
+    for rid in rids:
+        await redis_client.hset(keys.meta(rid), "epoch", 1)
+    await redis_client.hset(keys.meta("fenced"), "epoch", 2)                   # claimed away
+    await redis_client.xadd(keys.out("clash"), {ENTRY_FIELD: b"someone else"}, id="2-0")   # another writer
+    for rid, st in states.items():
+        for i in (1, 2):
+            st.add_output(tok(rid, i))
+    await writer.commit(list(states.values()))
+    assert dropped == [states["fenced"]] and states["fenced"].fenced
+    assert states["clash"].written_seq == 0 and states["clash"].failures == 1 and not states["clash"].fenced
+    for rid in ("a", "b", "c", "d", "e"):
+        assert states[rid].written_seq == 2 and states[rid].unsent == []
+        events = await read_events(redis_client, keys, rid, until_final=False, timeout=2)
+        assert [(e["rid"], e["seq"], e["n"]) for e in events] == [(rid, 2, 2)]
+    assert await redis_client.xlen(keys.out("fenced")) == 0
+    inbox = [e for _, f in await redis_client.xrange(keys.inbox("g")) for e in decode_event_list(f[ENTRY_FIELD])]
+    assert sorted(e["rid"] for e in inbox) == ["a", "b", "c", "d", "e"]
+
+
+async def test_between_ticks_first_tokens_and_finals_go_at_once_other_tokens_wait(redis_client, stream_prefix):
+    """The writer loop looks only at the requests a step produced for between ticks: among many
+    requests, one's first token and another's final are written at once, while a later token
+    of a request already streaming waits for the (long) tick."""
+    keys = Keys(stream_prefix)
+    writer = OutputWriter(redis_client, keys, Settings(stream_prefix=stream_prefix, worker_flush_ms=800), "w")
+    states = {f"r{i}": InFlight.start(f"r{i}", f"{i}-0", None, Progress(), epoch=1, gw="g") for i in range(40)}
+    for rid in states:
+        await redis_client.hset(keys.meta(rid), "epoch", 1)
+    streaming = states["r5"]
+    streaming.add_output(tok("r5", 1))
+    await writer.commit([streaming])                        # r5 already has its first token out
+    queue: list = []
+    wake = asyncio.Event()
+
+    def take():
+        out, queue[:] = list(queue), []
+        return out
+
+    async def inbox_seqs() -> list:
+        return [(e["rid"], e["k"], e["seq"]) for _, f in await redis_client.xrange(keys.inbox("g"))
+                for e in decode_event_list(f[ENTRY_FIELD])]
+
+    loop_task = asyncio.create_task(writer.run(take, states, wake))
+    try:
+        queue.append(tok("r5", 2))                          # r5's second token: waits for the tick
+        wake.set()
+        await asyncio.sleep(0.1)
+        queue.append(tok("r7", 1))                          # r7's first token: at once
+        wake.set()
+        await asyncio.sleep(0.15)
+        seen = await inbox_seqs()
+        assert ("r7", "tok", 1) in seen and ("r5", "tok", 2) not in seen
+        queue.append(StepOutput("r9", "", [], True, "stop", 1, 0))   # a final: at once
+        wake.set()
+        await asyncio.sleep(0.15)
+        seen = await inbox_seqs()
+        assert ("r9", "done", 0) in seen and ("r5", "tok", 2) not in seen
+        await asyncio.sleep(0.7)                            # the tick (0.8 s) writes what waited
+        assert ("r5", "tok", 2) in await inbox_seqs()
+    finally:
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)

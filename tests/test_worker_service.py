@@ -15,14 +15,19 @@ from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_ack
                                 wait_for_tokens)
 
 
-@pytest.fixture(scope="module")
-def worker_env(redis_server, tiny_model_dir, tmp_path_factory):
-    prefix = f"wsvc{int(time.time() * 1000) % 10**8}"
+def module_worker(redis_server, tiny_model_dir, tmp_path_factory, tag: str, env: dict):
+    """A worker on its own stream prefix (the module's fixtures differ only in `env`)."""
+    prefix = f"{tag}{int(time.time() * 1000) % 10**8}"
     proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("wlogs"),
-                        name="w-svc", env={"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200,
-                                           "CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5})
+                        name=f"w-{tag}", env={"WORKER_HEARTBEAT_S": 0.5, **env})
     yield Keys(prefix), proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def worker_env(redis_server, tiny_model_dir, tmp_path_factory):
+    yield from module_worker(redis_server, tiny_model_dir, tmp_path_factory, "svc",
+                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200, "CLAIM_IDLE_MS": 1500})
 
 
 async def test_streams_tokens_and_acks(worker_env, redis_client):
@@ -161,12 +166,8 @@ async def test_recovers_when_redis_lost_the_request_stream(worker_env, redis_cli
 @pytest.fixture(scope="module")
 def small_pool_env(redis_server, tiny_model_dir, tmp_path_factory):
     """A worker whose KV pool (256 tokens) cannot hold four long requests at once."""
-    prefix = f"wkv{int(time.time() * 1000) % 10**8}"
-    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("wlogs"),
-                        name="w-kv", env={"MAX_BATCH": 4, "MAX_SEQ_LEN": 256, "KV_CACHE_TOKENS": 256,
-                                          "KV_BLOCK_SIZE": 16, "WORKER_HEARTBEAT_S": 0.5})
-    yield Keys(prefix), proc
-    proc.stop()
+    yield from module_worker(redis_server, tiny_model_dir, tmp_path_factory, "kv",
+                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 256, "KV_CACHE_TOKENS": 256, "KV_BLOCK_SIZE": 16})
 
 
 async def test_a_full_kv_pool_preempts_and_streams_stay_exact(worker_env, small_pool_env, redis_client):

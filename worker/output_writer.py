@@ -5,9 +5,13 @@ Why one module: "events, then ack, then lease, then owner" used to be written th
 only place that writes output, and the only place that acknowledges a request.
 
 One `commit(states)` = at most three round trips, whatever the number of requests:
-1. history: one pipeline, per request ONE call of the `HISTORY_APPEND` script on slot {r:rid}
-   (its frozen events in order; EXPIRE on this run's first write and at the final, which also
-   removes `owner` from meta). The script is the FENCE: it writes only if `meta.epoch` is
+1. history: one pipeline of `HISTORY_APPEND` script calls, each carrying up to HISTORY_BATCH
+   requests (one request a call where Redis enforces slots, i.e. a cluster client or a node in
+   cluster mode: a script's keys must share a slot, {r:rid});
+   per request its frozen events in order; EXPIRE on this run's first write and at the final,
+   which also removes `owner` from meta. Batching matters at GPU speed: a commit writes every
+   request with news, and redis-py spends ~10 µs of client CPU per command in a pipeline
+   however small it is. The script is the FENCE: per request it writes only if `meta.epoch` is
    still the epoch this worker got when it took the request. A worker presumed dead (a long
    pause, a partition, SIGSTOP) whose request was claimed by another worker (which bumped the
    epoch) is refused atomically, in Redis; it then drops the request (`on_fenced`) without
@@ -32,6 +36,12 @@ behind its tokens, so when Redis accepts writes again the client gets every toke
 end, and the request is acked and its lease released. The writer loop (`run`) coalesces: a
 request's new tokens are written at most every WORKER_FLUSH_MS (its first token, its final and
 attach markers at once); WORKER_FLUSH_MS=0 writes after every engine step.
+
+The writer's client has no per-reply socket timeout: redis-py arms one asyncio timer per reply
+it reads, which cost about as much client CPU as the rest of a pipelined script call, and a
+commit reads one reply per request. Instead one deadline (`ROUND_TRIP_TIMEOUT_S`) bounds each
+round trip; when it passes, the connection is dropped and the round trip fails as transient,
+exactly like a socket timeout (a history write whose reply was lost is retried idempotently).
 """
 
 from __future__ import annotations
@@ -42,7 +52,8 @@ import random
 import time
 from typing import Callable, Iterable
 
-from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError, ResponseError
 
 from shared.config import Settings
 from shared.aio import wait_event
@@ -58,37 +69,53 @@ log = logging.getLogger("worker.output")
 MAX_WRITE_FAILURES = 8           # refused writes (with backoff, ~5 s) before a request is given up
 INBOX_MAXLEN = 10000             # entries; each holds one flush's events for one gateway
 INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
+ROUND_TRIP_TIMEOUT_S = 10.0      # one commit round trip (its client has no per-reply timeout)
 
-# KEYS: out, meta. ARGV: maxlen, ttl_s, worker_id, final(0/1), epoch, set_ttl(0/1), then
-# id1, payload1, id2, ... Refused with FENCED unless meta.epoch == epoch (the request moved on to
-# another worker). Appends the events in order; an id already in the stream is our own retry
-# whose reply was lost only if the entry there holds the same payload (else CONFLICT: two
-# writers); any other error stops at once (a later event must never land before an earlier one).
+HISTORY_BATCH = 128              # requests per history script call (bounds how long one call holds Redis)
+
+# KEYS: out1, meta1, out2, meta2, ... (one pair per request). ARGV: maxlen, ttl_s, worker_id, then
+# per request: epoch, final(0/1), set_ttl(0/1), n, id1, payload1, ... id_n, payload_n.
+# Returns one reply per request, in order: how many of its events were added, or a string that
+# refuses it: FENCED unless meta.epoch == epoch (the request moved on to another worker);
+# CONFLICT when an id already in the stream holds another payload (two writers; the same
+# payload is our own retry whose reply was lost, and counts as written); or the error Redis gave
+# (e.g. OOM), which stops that request's events at once (a later event must never land before
+# an earlier one). One request's refusal never stops the others.
 HISTORY_APPEND = """
-if redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[5] then
-  return redis.error_reply('FENCED meta.epoch is not ' .. ARGV[5])
-end
-local added = 0
-for i = 7, #ARGV, 2 do
-  local r = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[i], 'd', ARGV[i + 1])
-  if type(r) == 'table' and r.err then
-    if not string.find(r.err, 'equal or smaller', 1, true) then return redis.error_reply(r.err) end
-    local there = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-    if #there == 0 or there[1][2][2] ~= ARGV[i + 1] then
-      return redis.error_reply('CONFLICT another event is at or above ' .. ARGV[i])
+local maxlen, ttl, worker = ARGV[1], ARGV[2], ARGV[3]
+local function append(out, meta, a)
+  local epoch = redis.pcall('HGET', meta, 'epoch')
+  if type(epoch) == 'table' and epoch.err then return epoch.err end
+  if epoch ~= ARGV[a] then return 'FENCED meta.epoch is not ' .. ARGV[a] end
+  local final, set_ttl, n = ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+  local added = 0
+  for i = a + 4, a + 2 + 2 * n, 2 do
+    local r = redis.pcall('XADD', out, 'MAXLEN', '~', maxlen, ARGV[i], 'd', ARGV[i + 1])
+    if type(r) == 'table' and r.err then
+      if not string.find(r.err, 'equal or smaller', 1, true) then return r.err end
+      local there = redis.pcall('XRANGE', out, ARGV[i], ARGV[i])
+      if there.err or #there == 0 or there[1][2][2] ~= ARGV[i + 1] then
+        return 'CONFLICT another event is at or above ' .. ARGV[i]
+      end
+    else
+      added = added + 1
     end
-  else
-    added = added + 1
   end
+  if set_ttl == '1' or final == '1' then
+    redis.pcall('EXPIRE', out, ttl)
+    redis.pcall('EXPIRE', meta, ttl)
+  end
+  if final == '1' and redis.pcall('HGET', meta, 'owner') == worker then
+    redis.pcall('HDEL', meta, 'owner')
+  end
+  return added
 end
-if ARGV[6] == '1' or ARGV[4] == '1' then
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
+local replies, a = {}, 4
+for k = 1, #KEYS, 2 do
+  replies[#replies + 1] = append(KEYS[k], KEYS[k + 1], a)
+  a = a + 4 + 2 * tonumber(ARGV[a + 3])
 end
-if ARGV[4] == '1' and redis.call('HGET', KEYS[2], 'owner') == ARGV[3] then
-  redis.call('HDEL', KEYS[2], 'owner')
-end
-return added
+return replies
 """
 
 
@@ -120,6 +147,7 @@ class OutputWriter:
         self._live_backlog: dict[str, list[bytes]] = {}   # live copies a connection error kept back
         self.lock = asyncio.Lock()            # one commit at a time: events of a request stay in order
         self._sha: str | None = None
+        self._per_call = HISTORY_BATCH         # requests per history script call (1 where slots are enforced)
         self._inbox_ttl_at: dict[str, float] = {}
         self.stats = {"commits": 0, "events": 0, "refused": 0, "given_up": 0, "fenced": 0}
 
@@ -175,29 +203,56 @@ class OutputWriter:
         return done
 
     async def _write_history(self, writing: list) -> list:
-        """One fenced script call per request, all in one pipeline; its reply or error each."""
+        """The fenced history script for every request in `writing`: up to HISTORY_BATCH
+        requests per call, all calls in one pipeline (one request per call where Redis enforces slots:
+        a script's keys must share a slot). Returns each request's reply: how many events were
+        added, or the exception that refused it."""
         s = self.settings
-        if self._sha is None:
-            self._sha = await self.redis.script_load(HISTORY_APPEND)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for st, frozen in writing:
-                args = [s.output_maxlen, s.output_ttl_s, self.worker_id, int(any(f.final for f in frozen)),
-                        st.epoch, int(not st.ttl_set)]
-                for f in frozen:
-                    args += [f.entry_id, f.payload]
+        async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S), self.redis.pipeline(transaction=False) as pipe:
+            if self._sha is None:
+                self._sha = await self.redis.script_load(HISTORY_APPEND)
+                self._per_call = 1 if await self._slots_enforced() else HISTORY_BATCH
+            calls = [writing[i:i + self._per_call] for i in range(0, len(writing), self._per_call)]
+            for call in calls:
+                keys: list = []
+                args: list = [s.output_maxlen, s.output_ttl_s, self.worker_id]
+                for st, frozen in call:
+                    keys += (self.keys.out(st.rid), self.keys.meta(st.rid))
+                    args += (st.epoch, int(frozen[-1].final), int(not st.ttl_set), len(frozen))
+                    for f in frozen:
+                        args += (f.entry_id, f.payload)
                 # a raw EVALSHA: redis-py's cluster pipeline refuses its evalsha() helper
-                pipe.execute_command("EVALSHA", self._sha, 2, self.keys.out(st.rid), self.keys.meta(st.rid), *args)
-            results = await pipe.execute(raise_on_error=False)
-        if any(isinstance(r, NoScriptError) for r in results):  # Redis restarted: load it again, retry
+                pipe.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+        if any(isinstance(r, NoScriptError) for r in replies):  # Redis restarted: load it again, retry
             self._sha = None
             raise RedisConnectionError("the history script is gone from Redis (restarted); reloading it")
-        for r in results:
+        for r in replies:
             if isinstance(r, TRANSIENT):
                 raise r
-        for (st, _frozen), r in zip(writing, results):
-            if not isinstance(r, Exception):
-                st.ttl_set = True
+            if isinstance(r, ResponseError) and "CROSSSLOT" in str(r):   # the server enforces slots now
+                self._per_call = 1
+                raise RedisConnectionError("Redis refused a history call across slots; one request a call from now")
+        results: list = []
+        for call, reply in zip(calls, replies):
+            if isinstance(reply, Exception):  # the whole call was refused (e.g. OOM before it ran)
+                results += [reply] * len(call)
+                continue
+            for (st, _frozen), r in zip(call, reply):
+                if isinstance(r, bytes):
+                    results.append(ResponseError(r.decode(errors="replace")))
+                else:
+                    st.ttl_set = True
+                    results.append(r)
         return results
+
+    async def _slots_enforced(self) -> bool:
+        """Whether a script's keys must share a slot: a cluster client, or a plain client talking
+        to a node that runs in cluster mode."""
+        if isinstance(self.redis, RedisCluster):
+            return True
+        info = await self.redis.info("cluster")
+        return str(info.get("cluster_enabled", 0)) == "1"
 
     async def _write_live(self, live: dict[str, list[bytes]]) -> None:
         """One inbox XADD per gateway. A connection error keeps the copies for the next commit
@@ -205,7 +260,7 @@ class OutputWriter:
         for gw, payloads in live.items():
             self._live_backlog.setdefault(gw, []).extend(payloads)
         backlog, now = self._live_backlog, time.monotonic()
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S), self.redis.pipeline(transaction=False) as pipe:
             for gw, payloads in backlog.items():
                 inbox = self.keys.inbox(gw)
                 pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)
@@ -246,7 +301,7 @@ class OutputWriter:
                             retryable=True)
 
     async def _ack(self, done: list[InFlight], dead_letters: list[DeadLetter]) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:   # slot {q} only
+        async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S), self.redis.pipeline(transaction=True) as pipe:  # slot {q}
             for fields in [dl.fields for dl in dead_letters] + [st.dead_letter for st in done if st.dead_letter]:
                 pipe.xadd(self.keys.dead, fields, maxlen=DEAD_MAXLEN, approximate=True)
             for st in done:
@@ -309,8 +364,10 @@ class OutputWriter:
 
     async def attach_unknown(self, rid: str, gw: str, att: int) -> None:
         """This worker does not hold rid: tell the gateway to read the history to its end."""
-        await self.redis.xadd(self.keys.inbox(gw), {ENTRY_FIELD: pack_event_list([encode_attach_marker(rid, None, 0, att)])},
-                              maxlen=INBOX_MAXLEN, approximate=True)
+        async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+            await self.redis.xadd(self.keys.inbox(gw),
+                                  {ENTRY_FIELD: pack_event_list([encode_attach_marker(rid, None, 0, att)])},
+                                  maxlen=INBOX_MAXLEN, approximate=True)
 
 
 

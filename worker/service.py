@@ -134,7 +134,9 @@ class WorkerService:
         # the blocking readers get their own connections, with a read timeout beyond BLOCK_MS
         self.intake_redis = connect(s.redis_url, socket_timeout=BLOCKING_READ_TIMEOUT_S)
         self.ctl_redis = connect(s.redis_url, socket_timeout=BLOCKING_READ_TIMEOUT_S)
-        self.writer = OutputWriter(self.redis, self.keys, s, self.worker_id,
+        # the writer bounds each round trip itself (a per-reply timeout costs a timer per request)
+        self.output_redis = connect(s.redis_url, socket_timeout=None)
+        self.writer = OutputWriter(self.output_redis, self.keys, s, self.worker_id,
                                    on_give_up=self._on_give_up, on_done=self._on_done, on_fenced=self.drop)
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(self.engine, max_prompt_tokens=s.max_prompt_tokens,
@@ -164,6 +166,6 @@ class WorkerService:
         finally:
             await asyncio.gather(*(cancel_and_wait(task) for task in feeders + tasks))
             self.thread.stop()
-            for client in (self.redis, self.intake_redis, self.ctl_redis):
+            for client in (self.redis, self.intake_redis, self.ctl_redis, self.output_redis):
                 await client.aclose()
         log.info("worker %s stopped: %s %s", self.worker_id, self.stats, self.writer.stats)
