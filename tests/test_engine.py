@@ -350,6 +350,54 @@ def test_detokenizer_backend_decode_equals_transformers_decode(tokenizer):
                                                            clean_up_tokenization_spaces=False)
 
 
+def test_detokenizer_stream_releases_exactly_what_the_python_window_does(tokenizer):
+    """Tokens go through the tokenizers library's Rust DecodeStream (one call per token); piece
+    for piece it must release what our own two-decode window releases (same hold-back of split
+    characters), also when it fails part-way and our window takes over from the same state."""
+    rng = torch.Generator().manual_seed(11)
+    samples = [tokenizer("Héllo , wörld ! 你好 👋🌍 <|im_end|> x  \n\n def f(): pass", add_special_tokens=False)["input_ids"]]
+    samples += [torch.randint(0, len(tokenizer), (n,), generator=rng).tolist() for n in (3, 40, 300)]
+    prompt = tokenizer("Say:")["input_ids"]
+    for sample in samples:
+        stream = IncrementalDetokenizer(tokenizer, prompt, stop=[])
+        assert stream._stream is not None
+        window = IncrementalDetokenizer(tokenizer, prompt, stop=[])
+        window._stream = None
+        broken = IncrementalDetokenizer(tokenizer, prompt, stop=[])
+        pieces = {"stream": [], "window": [], "broken": []}
+        for i, t in enumerate(sample):
+            if i == len(sample) // 2:
+                broken._stream = _RaisingStream()
+            pieces["stream"].append(stream.add(t))
+            pieces["window"].append(window.add(t))
+            pieces["broken"].append(broken.add(t))
+        for name, det in (("stream", stream), ("window", window), ("broken", broken)):
+            pieces[name].append(det.finish())
+        assert pieces["stream"] == pieces["window"] == pieces["broken"]
+        assert "".join(pieces["stream"]) == tokenizer.decode(sample, skip_special_tokens=True,
+                                                             clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("stop", [["<END>"], ["never", "the end of it all"]])
+def test_a_stop_string_late_in_a_long_output_is_found_across_tokens(tokenizer, stop):
+    """The detokenizer keeps only unreleased text plus the tail a stop string may begin in;
+    a stop string thousands of characters in, spread over several tokens, is still found and
+    nothing of it (nor anything after it) is released."""
+    body = "Some words, ünïcode 你好 and 🙂 emoji. " * 150
+    tail = stop[-1]
+    token_ids = tokenizer(body + tail + " after the stop", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, [], stop=stop)
+    out = "".join(detok.add(t) for t in token_ids) + detok.finish()
+    assert detok.stopped
+    assert out == body
+    assert len(detok.text) < 100
+
+
+class _RaisingStream:
+    def step(self, *_):
+        raise Exception("DecodeStream: invalid prefix")
+
+
 def test_detokenizer_holds_back_partial_stop_strings(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], stop=["END!"])
     emitted = ""
