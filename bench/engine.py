@@ -265,7 +265,7 @@ def prepare_engine(model, tok, reqs, args):
             while pending and pending[0].arrival <= now:
                 r = pending.pop(0)
                 by_rid[str(r.idx)] = r
-                engine.add(EngineRequest(str(r.idx), r.prompt, SamplingParams(max_tokens=r.n, temperature=0.0),
+                engine.add(EngineRequest(str(r.idx), r.prompt, SamplingParams(max_tokens=r.n, **SAMPLING[args.sampling]),
                                          ignore_eos=True))  # forced lengths, as for the other methods
             if not engine.has_work:
                 _wait_until(t0 + pending[0].arrival)
@@ -275,6 +275,13 @@ def prepare_engine(model, tok, reqs, args):
             for o in outs:
                 by_rid[o.rid].times.extend([stamp] * len(o.token_ids))
     return run, lambda: model.set_attn_implementation("sdpa")
+
+
+# greedy: every method decodes the same tokens; chat: what chat clients typically send (the
+# sampler's cost per row per step then counts, as it does in production)
+SAMPLING = {"greedy": {"temperature": 0.0},
+            "chat": {"temperature": 0.7, "top_p": 0.9},
+            "default": {"temperature": 1.0}}
 
 
 def _batch(reqs, args) -> int:
@@ -293,8 +300,10 @@ def prepare_llamacpp(model, tok, reqs, args):
         _wait_until(t0 + r.arrival)
         try:
             conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=600)
-            body = {"prompt": r.prompt, "n_predict": r.n, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
-                    "stream": True, "cache_prompt": False, "samplers": ["top_k"]}
+            sampling = SAMPLING[args.sampling]
+            body = {"prompt": r.prompt, "n_predict": r.n, "ignore_eos": True, "stream": True, "cache_prompt": False,
+                    **({"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]} if sampling["temperature"] == 0 else
+                       {**sampling, "samplers": ["top_k", "top_p", "temperature"]})}
             conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status != 200:
@@ -404,6 +413,8 @@ def main() -> None:
     ap.add_argument("--fixed-prompt", type=int, default=128)
     ap.add_argument("--fixed-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+    ap.add_argument("--sampling", default="greedy", choices=list(SAMPLING),
+                    help="the engine's and llama.cpp's sampling (static and hf_cb always decode greedily)")
     args = ap.parse_args()
     if args.quick:
         args.uniform_requests, args.uniform_tokens, args.mixed_requests, args.max_tokens = 4, 8, 6, 32

@@ -15,6 +15,7 @@ calls add/cancel/step from one thread.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -68,7 +69,7 @@ class Engine:
                                   dtype=config.dtype)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self._logits_width = model.get_output_embeddings().weight.shape[0]
+        self._logits_width = model.get_output_embeddings().weight.shape[0]   # a seeded token's noise
         self._by_rid: dict[str, Sequence] = {}
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
         self._arrivals = 0
@@ -195,11 +196,12 @@ class Engine:
         for seq, n in plan.prefill:
             seq.computed += n
         outputs = []
+        now_ms = int(time.time() * 1000)   # one clock read per step, not per row
         for seq, token in zip(plan.sampled, tokens):
             if seq.finished:
                 continue
             try:
-                out = self._on_token(seq, token)
+                out = self._on_token(seq, token, now_ms)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
@@ -215,7 +217,7 @@ class Engine:
             return "length"
         return None
 
-    def _on_token(self, seq: Sequence, token: int) -> StepOutput | None:
+    def _on_token(self, seq: Sequence, token: int, now_ms: int) -> StepOutput | None:
         seq.tokens.append(token)
         seq.new_tokens += 1
         n = seq.completion_tokens
@@ -234,7 +236,7 @@ class Engine:
         return StepOutput(
             rid=seq.req.rid, text="" if suppressed else text, token_ids=[] if suppressed else [token],
             finished=reason is not None, finish_reason=reason,
-            prompt_tokens=seq.prompt_len, completion_tokens=n,
+            prompt_tokens=seq.prompt_len, completion_tokens=n, emitted_ms=now_ms,
         )
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:

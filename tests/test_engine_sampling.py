@@ -1,0 +1,146 @@
+"""The sampler on its own: every row draws from exactly the distribution its parameters define
+(temperature, top-k, top-p, both), unseeded (inverse CDF) and seeded (race), whether top-k/top-p
+stay within the candidate tokens or fall back to sorting the vocabulary, in mixed batches;
+seeded rows do not depend on their batch nor on last-bit differences in their logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine import sampling
+from worker.engine.sampling import make_generator, sample, skip
+
+V = 64
+DRAWS = 40_000
+
+
+def logits_row(seed: int = 0) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The target distribution, computed the plain way in float64 (full sort)."""
+    probs = (logits.double() / temperature).softmax(-1)
+    vals, order = probs.sort(descending=True)
+    k = top_k if 0 < top_k < V else V
+    vals[k:] = 0
+    vals = vals / vals.sum()
+    before = vals.cumsum(-1) - vals
+    keep = before < top_p
+    keep[0] = True
+    vals = vals * keep
+    out = torch.zeros(V, dtype=torch.float64)
+    out[order] = vals / vals.sum()
+    return out
+
+
+def empirical(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rows: int = 4000,
+              seeded: bool = False) -> torch.Tensor:
+    shared = make_generator(1, "cpu")
+    gens = [make_generator(seed, "cpu") for seed in range(rows)] if seeded else [None] * rows
+    counts = torch.zeros(V, dtype=torch.float64)
+    batch = logits[None].expand(rows, V).contiguous()
+    for _ in range(DRAWS // rows):
+        ids = sample(batch, [temperature] * rows, [top_k] * rows, [top_p] * rows, gens, shared)
+        counts += torch.bincount(ids, minlength=V).double()
+    return counts / counts.sum()
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
+@pytest.mark.parametrize("candidates", [sampling.CANDIDATES, 8], ids=["whole-vocab", "8-candidates"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),
+                                                     (0.9, 12, 0.6), (2.0, 0, 0.97)])
+def test_each_row_draws_from_its_distribution(monkeypatch, candidates, temperature, top_k, top_p, seeded):
+    """Total variation distance to the target below 0.03 over 40k draws; tokens outside the
+    kept set never appear. With 8 candidates, top-k 12 and top-p 0.97 at temperature 2 need
+    more than the candidates, so the full-sort fallback is exercised too."""
+    monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+    logits = logits_row()
+    want = expected(logits, temperature, top_k, top_p)
+    got = empirical(logits, temperature, top_k, top_p, seeded=seeded)
+    assert got[want == 0].sum() == 0
+    assert 0.5 * (got - want).abs().sum() < 0.03
+
+
+def test_a_flat_top_p_needs_the_fallback_and_gets_it(monkeypatch):
+    """A flat distribution whose top-p set is larger than the candidates: tokens beyond the
+    candidates are drawn (so the kept set was not cut at the candidates) and none outside it."""
+    monkeypatch.setattr(sampling, "CANDIDATES", 8)
+    logits = torch.linspace(0, -0.5, V)   # nearly flat, sorted: token i is the i-th most likely
+    want = expected(logits, 1.0, 0, 0.9)
+    kept = int((want > 0).sum())
+    assert kept > 40
+    for seeded in (False, True):
+        got = empirical(logits, 1.0, 0, 0.9, seeded=seeded)
+        assert got[kept:].sum() == 0 and got[8:kept].sum() > 0.5
+        assert 0.5 * (got - want).abs().sum() < 0.03
+
+
+def test_a_mixed_batch_keeps_every_row_to_its_own_parameters(monkeypatch):
+    """Greedy, plain, top-k and top-p rows, unseeded and seeded, in one batch."""
+    monkeypatch.setattr(sampling, "CANDIDATES", 8)
+    params = [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.5)] * 2
+    rows = [logits_row(s) for s in range(len(params))]
+    gens = [None] * 4 + [make_generator(s, "cpu") for s in range(4)]
+    counts = [torch.zeros(V) for _ in rows]
+    shared = make_generator(3, "cpu")
+    batch = torch.stack(rows)
+    for _ in range(3000):
+        ids = sample(batch, [p[0] for p in params], [p[1] for p in params], [p[2] for p in params],
+                     gens, shared)
+        for r, i in enumerate(ids.tolist()):
+            counts[r][i] += 1
+    assert counts[0][rows[0].argmax()] == 3000 and counts[4][rows[4].argmax()] == 3000   # greedy
+    for r, (t, k, p) in enumerate(params):
+        if t == 0:
+            continue
+        want = expected(rows[r], t, k, p)
+        got = counts[r].double() / 3000
+        assert got[want == 0].sum() == 0
+        assert 0.5 * (got - want).abs().sum() < 0.06
+
+
+def test_a_seeded_row_does_not_depend_on_its_batch_and_skip_fast_forwards_it():
+    row = logits_row(7)
+
+    def run(batch_size: int, position: int, skipped: int = 0) -> list[int]:
+        gen = make_generator(1234, "cpu")
+        skip(gen, skipped, V, "cpu")
+        others = torch.randn(batch_size, V, generator=torch.Generator().manual_seed(batch_size))
+        out = []
+        for _ in range(30):
+            batch = others.clone()
+            batch[position] = row
+            gens = [None] * batch_size
+            gens[position] = gen
+            ids = sample(batch, [0.8] * batch_size, [0] * batch_size, [0.9] * batch_size, gens,
+                         make_generator(None, "cpu"))
+            out.append(int(ids[position]))
+        return out
+
+    alone = run(1, 0)
+    assert run(5, 3) == alone and run(17, 0) == alone
+    assert run(4, 2, skipped=10)[:20] == alone[10:]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (40, 0.9)], ids=["plain", "top-k+top-p"])
+def test_a_seeded_row_ignores_last_bit_differences_in_its_logits(top_k, top_p):
+    """A failover continuation recomputes a seeded request's logits by prefill, which rounds
+    differently from decode steps. A relative change of 1e-6 must not change its tokens (the
+    race changes a token only at a near tie of p / E), while it does move unseeded draws
+    (inverse CDF), which promise nothing across runs: the check is sensitive."""
+    vocab, rows, steps = 49_152, 16, 12
+    moved = 0
+    for step in range(steps):
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(step)) * 5
+        nudged = logits * (1 + 1e-6 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(99)))
+        assert not torch.equal(logits.softmax(-1), nudged.softmax(-1))
+        params = ([1.0] * rows, [top_k] * rows, [top_p] * rows)
+        seeded = [sample(x, *params, [make_generator(1000 * step + r, "cpu") for r in range(rows)])
+                  for x in (logits, nudged)]
+        assert torch.equal(seeded[0], seeded[1]), step
+        unseeded = [sample(x, *params, [None] * rows, make_generator(step, "cpu")) for x in (logits, nudged)]
+        moved += int((unseeded[0] != unseeded[1]).sum())
+    if top_k == 0:   # over the whole vocabulary the running sum moves enough to change some draws
+        assert moved > 0
