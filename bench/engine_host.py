@@ -9,6 +9,10 @@ pass and sampling separately so that only the host part is reported:
 
     host µs per row = (step time - forward time - sampling time) / rows
 
+split into scheduling, the update (detokenize, stop checks, outputs) and the rest ("prepare":
+building the step's input tensors, plus freeing the step's tensors, which on a CPU with a large
+vocabulary is itself visible: a 256-row logits tensor is 50 MB, mapped and unmapped each step).
+
 Rows run greedy decode of 64-token prompts (prefill excluded: measured after it). Reported per
 batch size: step ms, forward+sampling ms, host ms, host µs per row, and the throughput ceiling
 host time alone allows (rows / host time). The ratio column compares host µs per row with the
@@ -66,7 +70,10 @@ def measure(model, tok, rows: int, steps: int) -> dict:
         engine.step()
     forward = Timed(engine.runner.decoder)
     sample = Timed(runner_module.sample)
+    schedule = Timed(engine.scheduler.schedule)
+    update = Timed(engine._update)
     engine.runner.decoder, runner_module.sample = forward, sample
+    engine.scheduler.schedule, engine._update = schedule, update
     per_step = []
     try:
         for _ in range(steps):
@@ -76,13 +83,19 @@ def measure(model, tok, rows: int, steps: int) -> dict:
             assert len(outs) == rows
     finally:
         engine.runner.decoder, runner_module.sample = forward.fn, sample.fn
+        del engine.scheduler.schedule, engine._update        # back to the class's methods
     total = sum(per_step)
     device = forward.seconds + sample.seconds
     host = total - device
+    per_row = 1e6 / steps / rows
     return {
         "rows": rows, "steps": steps, "step_ms": 1000 * statistics.median(per_step),
         "forward_sample_ms": 1000 * device / steps, "host_ms": 1000 * host / steps,
-        "host_us_per_row": 1e6 * host / steps / rows, "host_ceiling_tok_s": rows * steps / host,
+        "host_us_per_row": host * per_row, "host_ceiling_tok_s": rows * steps / host,
+        # where host time goes: deciding the step, turning outputs into text and results, and
+        # the rest (building the step's inputs, freeing its tensors)
+        "schedule_us_per_row": schedule.seconds * per_row, "update_us_per_row": update.seconds * per_row,
+        "prepare_us_per_row": (host - schedule.seconds - update.seconds) * per_row,
     }
 
 
@@ -104,7 +117,8 @@ def main() -> None:
     for r in results:
         r["x_first_host_us_per_row"] = r["host_us_per_row"] / base
     print(table(results, ["rows", "steps", "step_ms", "forward_sample_ms", "host_ms", "host_us_per_row",
-                          "x_first_host_us_per_row", "host_ceiling_tok_s"]))
+                          "x_first_host_us_per_row", "host_ceiling_tok_s", "schedule_us_per_row",
+                          "prepare_us_per_row", "update_us_per_row"]))
     print("wrote", write_json("engine_host", {"args": vars(args), "results": results}))
 
 
