@@ -88,6 +88,34 @@ def dedup_live(events: list[dict]) -> list[dict]:
     return out
 
 
+def gateway_view(live: list[dict], history: list[dict]) -> list[dict]:
+    """What a gateway forwards when a worker may have died between a history write and its live
+    copy: live events deduplicated by seq, and where one starts past the next expected token the
+    history after the last forwarded token is read and fed first (gateway.requests' catch-up)."""
+    out, seen, final = [], 0, False
+    for ev in live:
+        if final:
+            break
+        if ev["k"] == "tok" and ev["seq"] - int(ev.get("n") or 0) > seen:
+            for past in history:
+                if final:
+                    break
+                if past["k"] == "tok" and past["seq"] > seen:
+                    out.append(past)
+                    seen = past["seq"]
+                elif past["k"] in ("done", "err"):
+                    out.append(past)
+                    final = True
+            continue
+        if ev["k"] == "tok" and ev["seq"] > seen:
+            out.append(ev)
+            seen = ev["seq"]
+        elif ev["k"] in ("done", "err"):
+            out.append(ev)
+            final = True
+    return out
+
+
 async def last_seq(redis, keys: Keys, rid: str) -> int:
     last = await redis.xrevrange(keys.out(rid), count=1)
     return decode_event(last[0][1][ENTRY_FIELD])["seq"] if last else 0
