@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")
     worker_flush_ms: int = Field(15, description="a request's new tokens are written to Redis at most this often "
                                                  "(its first token and its final event at once); 0 = every engine step")
+    engine_process: bool = Field(True, description="run the engine in a child process of the worker (its own GIL: "
+                                                   "the engine's host work and the Redis I/O then use a core each); "
+                                                   "false = a thread of the worker process")
     output_buffer_max: int = Field(4096, description="step outputs a worker buffers while Redis is unreachable before pausing the engine")
 
     admin_token: SecretStr = Field(SecretStr(""), description="bearer token for admin endpoints")

@@ -68,6 +68,28 @@ class Proc:
         return self.popen.returncode
 
 
+def engine_pids(pid: int) -> list[int]:
+    """Live (not zombie) engine processes of worker `pid`: its children started by
+    multiprocessing's spawn (not its resource tracker, which spawn also starts)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def spawn(module: str, env: dict, log_dir: Path, name: str) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"

@@ -18,7 +18,7 @@ from shared.localredis import LocalRedis
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
                             decode_event_list, encode_tok,
                             history_id)
-from tests.stack_fixtures import spawn, start_worker, wait_for_worker, _env
+from tests.stack_fixtures import engine_pids, pid_alive, spawn, start_worker, wait_for_worker, _env
 from tests.worker_redis import (check_seqs, gateway_view, last_seq, new_rid, owner_of, pending_after_acks, read_events,
                                 read_inbox, submit, text_of, wait_for_tokens)
 
@@ -105,9 +105,13 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         assert len(owners) == 1
         victim = next(p for p, name in zip(procs, ("wa", "wb")) if name in owners)
         survivor = next(p for p in procs if p is not victim)
+        [engine] = engine_pids(victim.pid)                 # the worker's engine process
         victim.signal(signal.SIGKILL)
         victim.popen.wait(10)
         killed_at = time.monotonic()
+        while pid_alive(engine) and time.monotonic() < killed_at + 10:
+            await asyncio.sleep(0.05)
+        assert not pid_alive(engine), "the engine process outlived its killed worker"
         before = {}
         for rid in (greedy, seeded, rnd):  # a killed worker writes nothing more: they were mid-stream
             before[rid] = await history_now(redis_client, keys, rid)

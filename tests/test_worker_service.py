@@ -10,7 +10,7 @@ import pytest
 
 from shared.backlog import live_workers, read_backlog
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_cancel
-from tests.stack_fixtures import _env, spawn, start_worker, wait_for_worker
+from tests.stack_fixtures import _env, engine_pids, spawn, start_worker, wait_for_worker
 from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, submit, text_of,
                                 wait_for_tokens)
 
@@ -61,6 +61,7 @@ async def test_registry_and_queue_depth(worker_env, redis_client):
     assert [w.worker_id for w in workers] == ["w-svc"]
     w = workers[0]
     assert w.capacity == 4 and w.kv_total > 0 and w.pid == proc.pid
+    assert len(engine_pids(proc.pid)) == 1                  # its engine process (ENGINE_PROCESS default)
     backlog = await read_backlog(redis_client, keys, worker_ttl_s=10)
     assert backlog.queued == 0 and backlog.pending == 0 and backlog.live_workers == 1
 
@@ -189,3 +190,26 @@ async def test_a_full_kv_pool_preempts_and_streams_stay_exact(worker_env, small_
     while int(await redis_client.hget(keys.worker("w-kv"), "preemptions") or 0) == 0:
         assert time.monotonic() < deadline, "no preemption was counted"
         await asyncio.sleep(0.2)
+
+
+async def test_the_engine_in_a_thread_of_the_worker_serves_and_cancels(redis_server, redis_client, tiny_model_dir,
+                                                                        tmp_path):
+    """ENGINE_PROCESS=false: the engine runs in the worker's own process (no child), streams,
+    takes a cancel mid-stream and drains on SIGTERM like the default."""
+    keys = Keys(f"thr{int(time.time() * 1000) % 10**8}")
+    proc = start_worker(redis_server.url, keys.prefix, tiny_model_dir, tmp_path, name="w-thread",
+                        env={"ENGINE_PROCESS": "false", "MAX_BATCH": 2})
+    try:
+        assert engine_pids(proc.pid) == []
+        rid = await submit(redis_client, keys, max_tokens=12)
+        events = await read_events(redis_client, keys, rid)
+        check_seqs(events)
+        assert events[-1]["k"] == "done" and events[-1]["finish_reason"] in ("stop", "length")
+        long = await submit(redis_client, keys, max_tokens=900, prompt="Count forever")
+        await wait_for_tokens(redis_client, keys, long, 3)
+        await redis_client.xadd(keys.ctl("w-thread"), {ENTRY_FIELD: encode_cancel(long)})
+        events = await read_events(redis_client, keys, long)
+        assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "cancelled"
+        assert await pending_after_acks(redis_client, keys) == 0
+    finally:
+        assert proc.stop() == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -33,11 +34,10 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     print(settings.log_line("worker"), flush=True)
-    from worker.engine import Engine, EngineConfig, load_model
+    from worker.engine_process import build_model_engine, start_engine
     from worker.service import WorkerService
 
-    model, tokenizer = load_model(settings)
-    engine = Engine(model, tokenizer, EngineConfig.from_settings(settings))
+    engine = start_engine(functools.partial(build_model_engine, settings), settings)
     model_name = os.path.basename(settings.model_path.rstrip("/")) if settings.model_path else SMOLLM2_GGUF
     service = WorkerService(settings, engine, model_name=model_name)
 

@@ -47,11 +47,11 @@ def error_output(rid: str, code: ErrorCode, message: str, prompt_tokens: int = 0
 
 class EngineThread:
     def __init__(self, engine: Engine, *, max_prompt_tokens: int, buffer_max: int,
-                 on_output: Callable[[], None]):
+                 on_output: Callable[[], None] | None = None):
         self.engine = engine
         self.max_prompt_tokens = max_prompt_tokens
         self.buffer_max = buffer_max
-        self._on_output = on_output          # called (from this thread) when outputs are buffered
+        self._on_output = on_output or (lambda: None)   # called (from this thread) when outputs are buffered
         self._inbox: deque = deque()
         self._outputs: deque[list[StepOutput]] = deque()
         self._buffered = 0
@@ -74,7 +74,9 @@ class EngineThread:
 
     # ---- called from the asyncio side -----------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, on_output: Callable[[], None] | None = None) -> None:
+        if on_output is not None:
+            self._on_output = on_output
         self._thread.start()
 
     def submit(self, command: Add | Cancel) -> None:
@@ -90,6 +92,9 @@ class EngineThread:
             self._buffered = 0
             self._cond.notify_all()
         return [o for batch in batches for o in batch]
+
+    def has_outputs(self) -> bool:
+        return bool(self._outputs)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

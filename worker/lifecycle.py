@@ -62,7 +62,7 @@ class Lifecycle:
             await asyncio.sleep(svc.settings.worker_heartbeat_s)
             if not svc.thread.is_alive() and not svc.stopping:
                 # never advertise capacity we cannot serve: hand everything back and exit non-zero
-                log.critical("the engine thread died; handing back %d requests and exiting", len(svc.inflight))
+                log.critical("the engine died; handing back %d requests and exiting", len(svc.inflight))
                 svc.fatal = True
                 svc.settings = svc.settings.model_copy(update={"shutdown_grace_s": 0.0})
                 svc.request_stop()

@@ -6,8 +6,9 @@ Where to look (one concern a file):
 * worker.control       — cancel / attach messages from gateways
 * worker.lifecycle     — heartbeat, drain, hand back, supervised loops
 * worker.engine_thread — the engine's own thread (steps, add/cancel inbox, output buffer)
+* worker.engine_process — that thread in a child process (own GIL), the default
 
-Tasks on one asyncio loop, the engine in its own thread. Every Redis call path retries transient
+Tasks on one asyncio loop, the engine in its own process (or thread: ENGINE_PROCESS=false). Every Redis call path retries transient
 errors (worker.redis_io.with_backoff), so a Redis restart only pauses the loops: the engine keeps
 stepping, its outputs wait in a bounded buffer and then in the per-request queues, and are
 written when Redis is back.
@@ -28,6 +29,7 @@ from shared.config import Settings
 from shared.streams import Keys
 from worker import registry
 from worker.control import Control
+from worker.engine_process import EngineProcess
 from worker.engine_thread import Cancel, EngineThread, notify_loop
 from worker.events import InFlight
 from worker.intake import Intake
@@ -48,7 +50,7 @@ def default_worker_id() -> str:
 
 
 class WorkerService:
-    def __init__(self, settings: Settings, engine: Engine, *, worker_id: str | None = None, model_name: str = ""):
+    def __init__(self, settings: Settings, engine: Engine | EngineProcess, *, worker_id: str | None = None, model_name: str = ""):
         self.settings = settings
         self.engine = engine
         self.worker_id = worker_id or settings.worker_id or default_worker_id()
@@ -139,11 +141,12 @@ class WorkerService:
         self.writer = OutputWriter(self.output_redis, self.keys, s, self.worker_id,
                                    on_give_up=self._on_give_up, on_done=self._on_done, on_fenced=self.drop)
         loop = asyncio.get_running_loop()
-        self.thread = EngineThread(self.engine, max_prompt_tokens=s.max_prompt_tokens,
-                                   buffer_max=s.output_buffer_max, on_output=notify_loop(loop, self.outputs_event))
+        # an EngineProcess was launched (its engine built) before; a plain engine gets a thread here
+        self.thread = self.engine if isinstance(self.engine, EngineProcess) else \
+            EngineThread(self.engine, max_prompt_tokens=s.max_prompt_tokens, buffer_max=s.output_buffer_max)
         await with_backoff(self.intake.ensure_group, "create consumer group", lambda: self.stopping)
         await with_backoff(self.lifecycle.heartbeat_once, "register", lambda: self.stopping)
-        self.thread.start()
+        self.thread.start(notify_loop(loop, self.outputs_event))
         log.info("worker %s ready (capacity %d, flush every %d ms)", self.worker_id, self.capacity,
                  s.worker_flush_ms)
         supervised = self.lifecycle.supervised

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import signal
 import sys
@@ -53,10 +54,11 @@ def token_at(index: int) -> tuple[int, str]:
 
 
 class SyntheticEngine:
-    def __init__(self, *, max_batch: int, step_ms: float):
+    def __init__(self, *, max_batch: int, step_ms: float, host_us_per_row: float = 0.0):
         self.tokenizer = WordTokenizer()
         self.max_batch = max_batch
         self.step_s = step_ms / 1000
+        self.host_s_per_row = host_us_per_row / 1e6
         self._running: dict[str, list] = {}    # rid -> [request, tokens generated]
         self._waiting: deque[EngineRequest] = deque()
         self._finals: list[StepOutput] = []
@@ -113,6 +115,12 @@ class SyntheticEngine:
         if now < self._next:
             time.sleep(self._next - now)          # the "GPU" is busy for the rest of the step
         self._next = max(self._next + self.step_s, time.monotonic())
+        if self.host_s_per_row and self._running:
+            # the real engine's Python work per row (schedule, inputs, sampling, detokenize):
+            # it holds the GIL, as that does, while the "device" step above released it
+            end = time.perf_counter() + self.host_s_per_row * len(self._running)
+            while time.perf_counter() < end:
+                pass
         outputs, self._finals = self._finals, []
         while self._waiting and len(self._running) < self.max_batch:
             req = self._waiting.popleft()
@@ -146,8 +154,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--max-batch", type=int, default=1024)
+    parser.add_argument("--host-us-per-row", type=float, default=0.0,
+                        help="Python time a step spends per running row, holding the GIL (the real engine: "
+                             "~15-25 µs, bench/engine_host.py); overlapped with the next step's device time")
     args = parser.parse_args()
     from shared.config import get_settings
+    from worker.engine_process import start_engine
     from worker.service import WorkerService
     base = get_settings()
     # room for a few steps of every stream, so the output buffers never throttle the pace
@@ -155,8 +167,9 @@ def main() -> int:
                                        "output_buffer_max": max(base.output_buffer_max, 8 * args.max_batch)})
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     print(settings.log_line("synthetic worker"), flush=True)
-    service = WorkerService(settings, SyntheticEngine(max_batch=args.max_batch, step_ms=args.step_ms),
-                            model_name=f"synthetic-{args.step_ms:g}ms")
+    engine = start_engine(functools.partial(SyntheticEngine, max_batch=args.max_batch, step_ms=args.step_ms,
+                                            host_us_per_row=args.host_us_per_row), settings)
+    service = WorkerService(settings, engine, model_name=f"synthetic-{args.step_ms:g}ms")
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()

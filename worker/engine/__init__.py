@@ -5,7 +5,7 @@ Modules: `engine` (public API, per-request updates), `scheduler` (what runs each
 `kv_cache`, `sampling`, `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
 models are accepted), `config`, `loading`.
 
-The worker owns one `Engine` in a dedicated thread: `add`/`cancel` between steps, `step()` in a
+The worker owns one `Engine` in a dedicated thread (of its engine process, worker.engine_process): `add`/`cancel` between steps, `step()` in a
 loop while `has_work`.
 
 The request/output types and prompt building import without torch (`types`, `prompts`); the

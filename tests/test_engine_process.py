@@ -1,0 +1,172 @@
+"""The engine in its own process: same outputs as in a thread, cancels, credit-bounded buffering,
+load figures, and no engine that outlives its worker (or a worker that misses a dead engine).
+A synthetic engine (no torch) keeps each launch to a fraction of a second plus interpreter start."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.streams import RequestEntry, SamplingParams
+from tests.stack_fixtures import pid_alive
+from worker.engine_process import EngineProcess, EngineStartFailed
+from worker.engine_thread import Add, Cancel, EngineThread
+from worker.synthetic import SyntheticEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def synthetic(step_ms: float = 1.0, max_batch: int = 8):
+    return functools.partial(SyntheticEngine, max_batch=max_batch, step_ms=step_ms)
+
+
+def add(rid: str, max_tokens: int, prompt: str = "a few words") -> Add:
+    return Add(RequestEntry(rid=rid, params=SamplingParams(max_tokens=max_tokens), prompt=prompt, gw="g"))
+
+
+def collect(engine, rids: set[str], timeout: float = 20.0) -> dict[str, list]:
+    """Outputs per rid until each has its final."""
+    woke = threading.Event()
+    engine.start(woke.set)
+    got: dict[str, list] = {rid: [] for rid in rids}
+    open_rids = set(rids)
+    deadline = time.monotonic() + timeout
+    while open_rids and time.monotonic() < deadline:
+        woke.wait(0.1)
+        woke.clear()
+        for out in engine.take_outputs():
+            got[out.rid].append(out)
+            if out.finished:
+                open_rids.discard(out.rid)
+    assert not open_rids, f"no final for {open_rids}"
+    return got
+
+
+@pytest.fixture
+def engine_process():
+    procs = []
+
+    def launch(build=None, buffer_max: int = 4096) -> EngineProcess:
+        proc = EngineProcess(build or synthetic(), max_prompt_tokens=100, buffer_max=buffer_max)
+        proc.launch(timeout=60)
+        procs.append(proc)
+        return proc
+    yield launch
+    for proc in procs:
+        proc.stop()
+
+
+def test_outputs_equal_the_thread_engines_and_cancels_end_requests(engine_process):
+    proc = engine_process()
+    assert proc.kv_total == 8 * 4096
+    for rid, n in (("a", 5), ("b", 12), ("long", 100_000), ("quiet", 100_000)):
+        proc.submit(add(rid, n))
+    proc.submit(Cancel("quiet", silent=True))
+    proc.submit(Cancel("long"))
+    got = collect(proc, {"a", "b", "long"})
+
+    thread = EngineThread(synthetic()(), max_prompt_tokens=100, buffer_max=4096)
+    for rid, n in (("a", 5), ("b", 12)):
+        thread.submit(add(rid, n))
+    want = collect(thread, {"a", "b"})
+    thread.stop()
+    for rid in ("a", "b"):
+        fields = [(o.text, o.token_ids, o.finished, o.finish_reason, o.prompt_tokens, o.completion_tokens)
+                  for o in got[rid]]
+        assert fields == [(o.text, o.token_ids, o.finished, o.finish_reason, o.prompt_tokens, o.completion_tokens)
+                          for o in want[rid]]
+        assert all(o.emitted_ms > 0 for o in got[rid])
+    assert got["long"][-1].finish_reason == "cancelled" and got["long"][-1].completion_tokens < 100_000
+    time.sleep(0.2)
+    assert not [o for o in proc.take_outputs() if o.rid == "quiet"]     # a silent cancel reports nothing
+    deadline = time.monotonic() + 5
+    while (proc.running or proc.steps == 0) and time.monotonic() < deadline:
+        time.sleep(0.05)                      # load figures arrive with outputs and every 0.5 s
+    assert proc.running == 0 and proc.waiting == 0 and proc.steps > 0 and proc.unhealthy_reason == ""
+
+
+def test_a_prompt_over_the_limit_gets_its_typed_error_from_the_child(engine_process):
+    proc = engine_process()
+    proc.submit(add("big", 5, prompt="word " * 150))
+    out = collect(proc, {"big"})["big"]
+    assert len(out) == 1 and out[0].finish_reason == "error" and out[0].error_code == "context_too_long"
+
+
+def test_untaken_outputs_pause_the_engine_until_the_parent_takes_them(engine_process):
+    """With nobody taking outputs the child stops stepping once the parent holds `buffer_max`
+    and its own thread another `buffer_max`: bounded memory while Redis is down."""
+    proc = engine_process(synthetic(step_ms=1.0, max_batch=4), buffer_max=16)
+    proc.start(lambda: None)
+    for i in range(4):
+        proc.submit(add(f"r{i}", 100_000))
+    time.sleep(1.5)                                     # ~1000 steps' worth at 1 ms
+    held = len(proc._outputs)
+    steps = proc.steps
+    time.sleep(0.7)
+    assert 16 <= held < 32 and proc.steps == steps, (held, steps, proc.steps)
+    assert steps * 4 <= held + 16 + 4                 # what the parent holds + the child's thread buffer
+    taken = len(proc.take_outputs())
+    deadline = time.monotonic() + 5
+    while proc.steps == steps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert taken == held and proc.steps > steps         # credit returned: it steps again
+
+
+def test_a_dead_engine_process_is_seen(engine_process):
+    proc = engine_process()
+    woke = threading.Event()
+    proc.start(woke.set)
+    assert proc.is_alive()
+    os.kill(proc.pid, signal.SIGKILL)
+    assert woke.wait(5)
+    deadline = time.monotonic() + 5
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not proc.is_alive()
+
+
+def test_a_failing_build_is_reported_at_launch():
+    proc = EngineProcess(functools.partial(SyntheticEngine, max_batch=-1, step_ms=1.0, no_such_arg=1),
+                         max_prompt_tokens=10, buffer_max=10)
+    with pytest.raises(EngineStartFailed, match="no_such_arg"):
+        proc.launch(timeout=60)
+
+
+def test_the_engine_process_dies_with_its_worker(tmp_path):
+    """SIGKILL of the worker (no chance to stop anything) still ends its engine process."""
+    script = textwrap.dedent("""
+        import functools, sys, time
+        from worker.engine_process import EngineProcess
+        from worker.synthetic import SyntheticEngine
+        if __name__ == "__main__":
+            proc = EngineProcess(functools.partial(SyntheticEngine, max_batch=2, step_ms=1.0),
+                                 max_prompt_tokens=10, buffer_max=10)
+            proc.launch(timeout=60)
+            print(proc.pid, flush=True)
+            time.sleep(600)
+    """)
+    path = tmp_path / "owner.py"
+    path.write_text(script)
+    owner = subprocess.Popen([sys.executable, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        child = int(owner.stdout.readline())
+        os.kill(child, 0)                                   # it runs
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(child), "the engine process outlived its worker"
+    finally:
+        owner.kill()
+
