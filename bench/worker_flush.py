@@ -16,9 +16,13 @@ coalescing adds, plus the hop.
     .venv/bin/python bench/worker_flush.py                  # 256 streams, 5 ms steps, 0/5/10/15/20/30 ms
     .venv/bin/python bench/worker_flush.py --streams 64 --step-ms 2 --flush 0,15
     .venv/bin/python bench/worker_flush.py --flush 15 --baseline-root /tmp/base --repeat 2   # vs another commit
+    .venv/bin/python bench/worker_flush.py --flush 15 --engine thread,process --host-us-per-row 10 --repeat 2
 
-`cpu_ratio` compares worker CPU per token (`cpu_us_per_token`), not cores: a worker that keeps a
-faster pace uses more cores for the same work.
+`cpu_ratio` compares worker CPU per token (`cpu_us_per_token`, the worker and its engine process),
+not cores: a worker that keeps a faster pace uses more cores for the same work. `--engine
+thread,process` compares the engine in a thread of the worker with the engine in its own process
+(ENGINE_PROCESS), and `--host-us-per-row` gives the synthetic engine the real engine's Python work
+per row, which is what competes with the Redis I/O for one GIL in thread mode.
 """
 
 from __future__ import annotations
@@ -50,22 +54,36 @@ async def commands_total(r) -> int:
     return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_"))
 
 
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """user + sys of the worker and its engine process (ENGINE_PROCESS), as far as still alive."""
+    total = 0.0
+    for p in procs:
+        try:
+            total += sum(p.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 async def run_cell(server: LocalRedis, work: Path, streams: int, step_ms: float, flush_ms: int,
-                   max_tokens: int, root: Path = ROOT) -> dict:
+                   max_tokens: int, root: Path = ROOT, env: dict | None = None, host_us_per_row: float = 0.0) -> dict:
     prefix = f"b{uuid.uuid4().hex[:6]}"
     keys = Keys(prefix)
     log_path = work / f"synthetic-{prefix}.log"
+    host = ["--host-us-per-row", str(host_us_per_row)] if host_us_per_row else []
     popen = subprocess.Popen([sys.executable, "-m", "worker.synthetic", "--step-ms", str(step_ms),
-                              "--max-batch", str(streams)], cwd=root, stdout=open(log_path, "ab"),
+                              "--max-batch", str(streams), *host], cwd=root, stdout=open(log_path, "ab"),
                              stderr=subprocess.STDOUT, start_new_session=True,
-                             env=_env(server.url, prefix, {"WORKER_FLUSH_MS": flush_ms, "WORKER_ID": prefix}))
+                             env=_env(server.url, prefix, {"WORKER_FLUSH_MS": flush_ms, "WORKER_ID": prefix,
+                                                           **(env or {})}))
     proc = Proc(popen, log_path)
     r = aioredis.from_url(server.url)
     try:
         wait_for_worker(server.url, prefix, proc)
         ps = psutil.Process(proc.pid)
+        procs = [ps, *ps.children(recursive=True)]
         rids = [uuid.uuid4().hex for _ in range(streams)]
-        cmd0, cpu0, t0 = await commands_total(r), sum(ps.cpu_times()[:2]), time.monotonic()
+        cmd0, cpu0, t0 = await commands_total(r), cpu_seconds(procs), time.monotonic()
         async with r.pipeline(transaction=False) as pipe:
             for rid in rids:
                 pipe.xadd(keys.requests, {ENTRY_FIELD: RequestEntry(
@@ -90,7 +108,7 @@ async def run_cell(server: LocalRedis, work: Path, streams: int, step_ms: float,
                         elif ev["k"] in ("done", "err"):
                             open_rids.discard(ev["rid"])
         wall = time.monotonic() - t0
-        cpu = sum(ps.cpu_times()[:2]) - cpu0
+        cpu = cpu_seconds(procs) - cpu0
         cmds = await commands_total(r) - cmd0
         steps = max_tokens  # one token per stream per step
         return {"streams": streams, "step_ms": step_ms, "flush_ms": flush_ms, "tokens": tokens,
@@ -116,24 +134,31 @@ async def main() -> None:
                     help="another checkout (e.g. `git worktree add /tmp/base main`): every cell also runs its "
                          "worker, alternating, and ratios compare with it instead of WORKER_FLUSH_MS=0")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each cell (per code tree)")
+    ap.add_argument("--host-us-per-row", type=float, default=0.0,
+                    help="the synthetic engine's Python work per row per step, holding the GIL (the real "
+                         "engine's host time, bench/engine_host.py); 0 = none (older trees lack the option)")
+    ap.add_argument("--engine", default="",
+                    help="thread,process: run each cell with ENGINE_PROCESS=false and =true, alternating; "
+                         "ratios compare with the first")
     args = ap.parse_args()
     server = LocalRedis().start()
     work = Path(tempfile.mkdtemp(prefix="bench-wflush-"))
     rows = []
     try:
-        trees = [("baseline", args.baseline_root.resolve())] if args.baseline_root else []
-        trees.append(("this", ROOT))
+        variants = [("baseline", args.baseline_root.resolve(), {})] if args.baseline_root else []
+        modes = [m for m in args.engine.split(",") if m]
+        variants += [(m, ROOT, {"ENGINE_PROCESS": str(m == "process").lower()}) for m in modes] or [("this", ROOT, {})]
         for flush_ms in [int(x) for x in args.flush.split(",")]:
             for _ in range(args.repeat):
-                for code, root in trees:
+                for code, root, env in variants:
                     rows.append({"code": code, **await run_cell(server, work, args.streams, args.step_ms, flush_ms,
-                                                                args.max_tokens, root)})
+                                                                args.max_tokens, root, env, args.host_us_per_row)})
                     print(rows[-1], flush=True)
     finally:
         server.stop()
     for row in rows:
-        if args.baseline_root:   # the same cell on the baseline tree (mean of its runs)
-            same = [r for r in rows if r["code"] == "baseline" and r["flush_ms"] == row["flush_ms"]]
+        if len(variants) > 1:    # the same cell of the first variant (baseline tree, or thread; mean of its runs)
+            same = [r for r in rows if r["code"] == variants[0][0] and r["flush_ms"] == row["flush_ms"]]
         else:                    # per-step writes (WORKER_FLUSH_MS=0) of this tree
             same = [r for r in rows if r["flush_ms"] == 0] or rows[:1]
         mean = lambda key: sum(r[key] for r in same) / len(same)  # noqa: E731
