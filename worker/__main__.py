@@ -34,10 +34,14 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     print(settings.log_line("worker"), flush=True)
-    from worker.engine_process import build_model_engine, start_engine
+    from worker.engine_process import EngineStartFailed, build_model_engine, start_engine
     from worker.service import WorkerService
 
-    engine = start_engine(functools.partial(build_model_engine, settings), settings)
+    try:
+        engine = start_engine(functools.partial(build_model_engine, settings), settings)
+    except EngineStartFailed as exc:   # the engine process logged the traceback above
+        logging.getLogger("worker").critical("no engine, exiting: %s", exc)
+        return 1
     model_name = os.path.basename(settings.model_path.rstrip("/")) if settings.model_path else SMOLLM2_GGUF
     service = WorkerService(settings, engine, model_name=model_name)
 
