@@ -4,13 +4,13 @@ A synthetic engine (no torch) keeps each launch to a fraction of a second plus i
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import pytest
 from shared.streams import RequestEntry, SamplingParams
 from tests.stack_fixtures import pid_alive
 from worker.engine_process import EngineProcess, EngineStartFailed
-from worker.engine_thread import Add, Cancel, EngineThread
+from worker.engine_thread import Add, Cancel, EngineThread, notify_loop
 from worker.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,15 +33,18 @@ def add(rid: str, max_tokens: int, prompt: str = "a few words") -> Add:
     return Add(RequestEntry(rid=rid, params=SamplingParams(max_tokens=max_tokens), prompt=prompt, gw="g"))
 
 
-def collect(engine, rids: set[str], timeout: float = 20.0) -> dict[str, list]:
-    """Outputs per rid until each has its final."""
-    woke = threading.Event()
-    engine.start(woke.set)
+async def collect(engine, rids: set[str], timeout: float = 20.0) -> dict[str, list]:
+    """Outputs per rid until each has its final, taken the way the worker's writer takes them."""
+    woke = asyncio.Event()
+    engine.start(woke.set if isinstance(engine, EngineProcess) else notify_loop(asyncio.get_running_loop(), woke))
     got: dict[str, list] = {rid: [] for rid in rids}
     open_rids = set(rids)
     deadline = time.monotonic() + timeout
     while open_rids and time.monotonic() < deadline:
-        woke.wait(0.1)
+        try:
+            await asyncio.wait_for(woke.wait(), 0.1)
+        except TimeoutError:
+            pass
         woke.clear()
         for out in engine.take_outputs():
             got[out.rid].append(out)
@@ -65,19 +68,19 @@ def engine_process():
         proc.stop()
 
 
-def test_outputs_equal_the_thread_engines_and_cancels_end_requests(engine_process):
+async def test_outputs_equal_the_thread_engines_and_cancels_end_requests(engine_process):
     proc = engine_process()
     assert proc.kv_total == 8 * 4096
     for rid, n in (("a", 5), ("b", 12), ("long", 100_000), ("quiet", 100_000)):
         proc.submit(add(rid, n))
     proc.submit(Cancel("quiet", silent=True))
     proc.submit(Cancel("long"))
-    got = collect(proc, {"a", "b", "long"})
+    got = await collect(proc, {"a", "b", "long"})
 
     thread = EngineThread(synthetic()(), max_prompt_tokens=100, buffer_max=4096)
     for rid, n in (("a", 5), ("b", 12)):
         thread.submit(add(rid, n))
-    want = collect(thread, {"a", "b"})
+    want = await collect(thread, {"a", "b"})
     thread.stop()
     for rid in ("a", "b"):
         fields = [(o.text, o.token_ids, o.finished, o.finish_reason, o.prompt_tokens, o.completion_tokens)
@@ -86,51 +89,48 @@ def test_outputs_equal_the_thread_engines_and_cancels_end_requests(engine_proces
                           for o in want[rid]]
         assert all(o.emitted_ms > 0 for o in got[rid])
     assert got["long"][-1].finish_reason == "cancelled" and got["long"][-1].completion_tokens < 100_000
-    time.sleep(0.2)
+    await asyncio.sleep(0.2)
     assert not [o for o in proc.take_outputs() if o.rid == "quiet"]     # a silent cancel reports nothing
     deadline = time.monotonic() + 5
     while (proc.running or proc.steps == 0) and time.monotonic() < deadline:
-        time.sleep(0.05)                      # load figures arrive with outputs and every 0.5 s
+        await asyncio.sleep(0.05)             # load figures arrive with outputs and every 0.5 s
     assert proc.running == 0 and proc.waiting == 0 and proc.steps > 0 and proc.unhealthy_reason == ""
 
 
-def test_a_prompt_over_the_limit_gets_its_typed_error_from_the_child(engine_process):
+async def test_a_prompt_over_the_limit_gets_its_typed_error_from_the_child(engine_process):
     proc = engine_process()
     proc.submit(add("big", 5, prompt="word " * 150))
-    out = collect(proc, {"big"})["big"]
+    out = (await collect(proc, {"big"}))["big"]
     assert len(out) == 1 and out[0].finish_reason == "error" and out[0].error_code == "context_too_long"
 
 
-def test_untaken_outputs_pause_the_engine_until_the_parent_takes_them(engine_process):
-    """With nobody taking outputs the child stops stepping once the parent holds `buffer_max`
-    and its own thread another `buffer_max`: bounded memory while Redis is down."""
+async def test_untaken_outputs_pause_the_engine_until_the_parent_takes_them(engine_process):
+    """With nobody taking outputs the engine stops stepping once the parent holds `buffer_max`
+    (plus the step that found no credit): bounded memory while Redis is down."""
     proc = engine_process(synthetic(step_ms=1.0, max_batch=4), buffer_max=16)
     proc.start(lambda: None)
     for i in range(4):
         proc.submit(add(f"r{i}", 100_000))
-    time.sleep(1.5)                                     # ~1000 steps' worth at 1 ms
+    await asyncio.sleep(1.5)                            # ~1000 steps' worth at 1 ms
     held = len(proc._outputs)
     steps = proc.steps
-    time.sleep(0.7)
-    assert 16 <= held < 32 and proc.steps == steps, (held, steps, proc.steps)
-    assert steps * 4 <= held + 16 + 4                 # what the parent holds + the child's thread buffer
+    await asyncio.sleep(0.7)
+    assert 16 <= held < 16 + 4 and proc.steps == steps, (held, steps, proc.steps)
+    assert steps * 4 <= held + 4                        # what the parent holds + the waiting step
     taken = len(proc.take_outputs())
     deadline = time.monotonic() + 5
     while proc.steps == steps and time.monotonic() < deadline:
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     assert taken == held and proc.steps > steps         # credit returned: it steps again
 
 
-def test_a_dead_engine_process_is_seen(engine_process):
+async def test_a_dead_engine_process_is_seen(engine_process):
     proc = engine_process()
-    woke = threading.Event()
+    woke = asyncio.Event()
     proc.start(woke.set)
     assert proc.is_alive()
     os.kill(proc.pid, signal.SIGKILL)
-    assert woke.wait(5)
-    deadline = time.monotonic() + 5
-    while proc.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    await asyncio.wait_for(woke.wait(), 5)
     assert not proc.is_alive()
 
 

@@ -146,7 +146,9 @@ class WorkerService:
             EngineThread(self.engine, max_prompt_tokens=s.max_prompt_tokens, buffer_max=s.output_buffer_max)
         await with_backoff(self.intake.ensure_group, "create consumer group", lambda: self.stopping)
         await with_backoff(self.lifecycle.heartbeat_once, "register", lambda: self.stopping)
-        self.thread.start(notify_loop(loop, self.outputs_event))
+        # the engine process delivers on this loop; the engine thread from its own thread
+        self.thread.start(self.outputs_event.set if isinstance(self.thread, EngineProcess)
+                          else notify_loop(loop, self.outputs_event))
         log.info("worker %s ready (capacity %d, flush every %d ms)", self.worker_id, self.capacity,
                  s.worker_flush_ms)
         supervised = self.lifecycle.supervised
