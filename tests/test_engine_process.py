@@ -5,6 +5,7 @@ A synthetic engine (no torch) keeps each launch to a fraction of a second plus i
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import os
 import signal
@@ -37,7 +38,7 @@ async def collect(engine, rids: set[str], timeout: float = 20.0) -> dict[str, li
     """Outputs per rid until each has its final, taken the way the worker's writer takes them."""
     woke = asyncio.Event()
     engine.start(woke.set if isinstance(engine, EngineProcess) else notify_loop(asyncio.get_running_loop(), woke))
-    got: dict[str, list] = {rid: [] for rid in rids}
+    got: dict[str, list] = collections.defaultdict(list)
     open_rids = set(rids)
     deadline = time.monotonic() + timeout
     while open_rids and time.monotonic() < deadline:
@@ -90,7 +91,9 @@ async def test_outputs_equal_the_thread_engines_and_cancels_end_requests(engine_
         assert all(o.emitted_ms > 0 for o in got[rid])
     assert got["long"][-1].finish_reason == "cancelled" and got["long"][-1].completion_tokens < 100_000
     await asyncio.sleep(0.2)
-    assert not [o for o in proc.take_outputs() if o.rid == "quiet"]     # a silent cancel reports nothing
+    # a silent cancel ends it without a final (tokens of steps before the cancel may come first)
+    quiet = got["quiet"] + [o for o in proc.take_outputs() if o.rid == "quiet"]
+    assert not any(o.finished for o in quiet)
     deadline = time.monotonic() + 5
     while (proc.running or proc.steps == 0) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)             # load figures arrive with outputs and every 0.5 s
@@ -116,7 +119,7 @@ async def test_untaken_outputs_pause_the_engine_until_the_parent_takes_them(engi
     steps = proc.steps
     await asyncio.sleep(0.7)
     assert 16 <= held < 16 + 4 and proc.steps == steps, (held, steps, proc.steps)
-    assert steps * 4 <= held + 4                        # what the parent holds + the waiting step
+    assert steps <= 16 + 1                              # at most a step a held output, + the waiting one
     taken = len(proc.take_outputs())
     deadline = time.monotonic() + 5
     while proc.steps == steps and time.monotonic() < deadline:

@@ -76,43 +76,33 @@ async def read_inbox(redis, keys: Keys, gw: str, rids: set[str], *, timeout: flo
 
 
 def dedup_live(events: list[dict]) -> list[dict]:
-    """What a gateway forwards: events in seq order, each token seq once (retries may repeat)."""
-    out, seen, final = [], 0, False
-    for ev in events:
-        if ev["k"] == "tok" and ev["seq"] > seen:
-            out.append(ev)
-            seen = ev["seq"]
-        elif ev["k"] in ("done", "err") and not final:
-            out.append(ev)
-            final = True
-    return out
+    """What a gateway forwards: events in seq order, each token seq once (retries may repeat),
+    up to the first final."""
+    return gateway_view(events, [])
 
 
 def gateway_view(live: list[dict], history: list[dict]) -> list[dict]:
     """What a gateway forwards when a worker may have died between a history write and its live
     copy: live events deduplicated by seq, and where one starts past the next expected token the
     history after the last forwarded token is read and fed first (gateway.requests' catch-up)."""
-    out, seen, final = [], 0, False
-    for ev in live:
-        if final:
-            break
-        if ev["k"] == "tok" and ev["seq"] - int(ev.get("n") or 0) > seen:
-            for past in history:
-                if final:
-                    break
-                if past["k"] == "tok" and past["seq"] > seen:
-                    out.append(past)
-                    seen = past["seq"]
-                elif past["k"] in ("done", "err"):
-                    out.append(past)
-                    final = True
-            continue
-        if ev["k"] == "tok" and ev["seq"] > seen:
+    out: list[dict] = []
+    state = {"seen": 0, "final": False}
+
+    def feed(ev: dict) -> None:
+        if state["final"]:
+            return
+        if ev["k"] == "tok" and ev["seq"] > state["seen"]:
             out.append(ev)
-            seen = ev["seq"]
+            state["seen"] = ev["seq"]
         elif ev["k"] in ("done", "err"):
             out.append(ev)
-            final = True
+            state["final"] = True
+
+    for ev in live:
+        if ev["k"] == "tok" and ev["seq"] - int(ev.get("n") or 0) > state["seen"]:
+            for past in history:
+                feed(past)
+        feed(ev)
     return out
 
 
