@@ -6,6 +6,7 @@ mid-stream, Redis refusing writes (OOM under noeviction), and requests that keep
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -157,6 +158,37 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         await asyncio.sleep(max(0.0, killed_at + 2.5 - time.monotonic()))
         assert [w.worker_id for w in await live_workers(redis_client, keys, worker_ttl_s=2)] == \
             [n for n in ("wa", "wb") if n not in owners]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def test_a_crashed_engine_process_hands_its_requests_to_another_worker(redis_server, redis_client,
+                                                                             stream_prefix, tiny_model_dir, tmp_path):
+    """The engine process dies (a segfault, the OOM killer, a CUDA error that kills the process)
+    while its worker lives: the worker sees it, hands its requests back at once and exits
+    non-zero; the other worker continues them exactly (greedy: equal to an uninterrupted run)."""
+    keys = Keys(stream_prefix)
+    procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, FAST_CLAIM)
+    try:
+        rid = new_rid()
+        await submit_together(redis_client, keys, [entry(rid, max_tokens=600, temperature=0.0)])
+        await wait_for_tokens(redis_client, keys, rid, 20)
+        owner = await owner_of(redis_client, keys, rid)
+        victim = next(p for p, name in zip(procs, ("wa", "wb")) if name == owner)
+        survivor = next(p for p in procs if p is not victim)
+        [engine] = engine_pids(victim.pid)
+        os.kill(engine, signal.SIGKILL)
+        assert victim.popen.wait(20) != 0
+        log = victim.log()
+        assert "engine process is gone" in log and "handed back 1 requests" in log, log[-3000:]
+        events = await read_events(redis_client, keys, rid, timeout=60)
+        check_seqs(events)
+        assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "length"
+        assert {e["ep"] for e in events} == {1, 2}
+        ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=600, temperature=0.0)
+        assert text_of(events) == text_of(await read_events(redis_client, keys, ref, timeout=60))
+        assert survivor.alive() and await pending_after_acks(redis_client, keys) == 0
     finally:
         for p in procs:
             p.stop()

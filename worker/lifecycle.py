@@ -103,7 +103,8 @@ class Lifecycle:
         # let the engine apply the cancels, then write the tokens it produced before them, so
         # the next worker's skip count includes every delivered token
         deadline = time.monotonic() + 5
-        while (svc.thread.running or svc.thread.waiting) and time.monotonic() < deadline:
+        while (svc.thread.is_alive() and (svc.thread.running or svc.thread.waiting)
+               and time.monotonic() < deadline):   # a dead engine's last figures never change
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)
         await self._flush("write outputs before handing back")
