@@ -1,7 +1,7 @@
 """The engine in a child process of its own (vLLM v1's EngineCore split), behind EngineThread's API.
 
 Why: the engine's host work (scheduling, preparing inputs, sampling, detokenizing: tens of µs a
-row a step) and the service's Redis I/O (~15 µs of Python a token in the output writer) shared
+row a step) and the service's Redis I/O (5-15 µs of Python a token in the output writer) shared
 one GIL. At GPU pace (256 rows every few ms) the two together need more than one core of
 Python, so one process could not keep the pace however fast the device. Here the child runs
 the unchanged `EngineThread` around the engine; the parent (the asyncio service) sees the same
@@ -12,9 +12,9 @@ no GIL hand-offs per step; ~1 µs a row in all, against the GIL time it frees).
 
 Backpressure crosses the pipe as credit: the engine thread sends a step's outputs only while
 the parent holds fewer than `buffer_max` of them untaken, and otherwise waits (the engine
-pauses), so a stalled writer (Redis down) still bounds memory, as in one process. The child dies with the parent
-(PR_SET_PDEATHSIG, and EOF on the pipe): an engine must never outlive the worker that owns its
-requests, or hold a GPU after it. The child ignores SIGINT/SIGTERM: the parent drains first and
+pauses), so a stalled writer (Redis down) still bounds memory, as in one process. The child
+dies with the parent (PR_SET_PDEATHSIG, and EOF on the pipe): an engine must never outlive the
+worker that owns its requests, or hold a GPU after it. The child ignores SIGINT/SIGTERM: the parent drains first and
 then stops it.
 """
 
