@@ -304,8 +304,9 @@ def _child_main(build: Callable[[], object], conn: Connection, max_prompt_tokens
     finally:
         link.stop()
         thread.stop()
-        sys.stdout.flush()
-        os._exit(code)  # the engine's native thread pools: nothing left to flush
+    # a normal exit through multiprocessing's bootstrap, which runs its finalizers: semaphores
+    # that libraries created here (tqdm's lock while loading) are released, not reported leaked
+    sys.exit(code)
 
 
 def _serve_commands(conn: Connection, thread: EngineThread, link: _ChildLink) -> int:
