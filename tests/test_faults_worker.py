@@ -44,6 +44,17 @@ async def submit_together(redis, keys: Keys, entries: list[RequestEntry]) -> Non
         await pipe.execute()
 
 
+async def one_greedy_request_underway(redis, keys: Keys, procs: list, max_tokens: int):
+    """A greedy request taken by one of two workers and 20 tokens in: (rid, its owner's name,
+    the owner's Proc, the other worker's Proc)."""
+    rid = new_rid()
+    await submit_together(redis, keys, [entry(rid, max_tokens=max_tokens, temperature=0.0)])
+    await wait_for_tokens(redis, keys, rid, 20)
+    owner = await owner_of(redis, keys, rid)
+    victim = next(p for p, name in zip(procs, ("wa", "wb")) if name == owner)
+    return rid, owner, victim, next(p for p in procs if p is not victim)
+
+
 def entry(rid, **params) -> RequestEntry:
     return RequestEntry(rid=rid, params=SamplingParams(**params), prompt=PROMPT)
 
@@ -171,12 +182,7 @@ async def test_a_crashed_engine_process_hands_its_requests_to_another_worker(red
     keys = Keys(stream_prefix)
     procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, FAST_CLAIM)
     try:
-        rid = new_rid()
-        await submit_together(redis_client, keys, [entry(rid, max_tokens=600, temperature=0.0)])
-        await wait_for_tokens(redis_client, keys, rid, 20)
-        owner = await owner_of(redis_client, keys, rid)
-        victim = next(p for p, name in zip(procs, ("wa", "wb")) if name == owner)
-        survivor = next(p for p in procs if p is not victim)
+        rid, _, victim, survivor = await one_greedy_request_underway(redis_client, keys, procs, 600)
         [engine] = engine_pids(victim.pid)
         os.kill(engine, signal.SIGKILL)
         assert victim.popen.wait(20) != 0
@@ -486,11 +492,7 @@ async def test_sigterm_hands_running_requests_back(redis_server, redis_client, s
     env = {**FAST_CLAIM, "CLAIM_IDLE_MS": 20000, "SHUTDOWN_GRACE_S": 0.3}
     procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, env)
     try:
-        rid = new_rid()
-        await submit_together(redis_client, keys, [entry(rid, max_tokens=1000, temperature=0.0)])
-        await wait_for_tokens(redis_client, keys, rid, 20)
-        owner = await owner_of(redis_client, keys, rid)
-        victim = procs[0] if owner == "wa" else procs[1]
+        rid, owner, victim, _ = await one_greedy_request_underway(redis_client, keys, procs, 1000)
         t0_ms = time.time() * 1000
         victim.signal(signal.SIGTERM)
         assert victim.popen.wait(15) == 0
