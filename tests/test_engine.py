@@ -453,18 +453,17 @@ def test_a_failing_detokenizer_fails_only_its_request(model, tokenizer):
     assert not engine.has_work and engine.kv_tokens_used == 0 and engine.cache.num_free == engine.cache.num_blocks
 
 
-def test_a_failing_forward_pass_fails_its_requests_and_keeps_the_engine(model, tokenizer):
+def test_a_failing_forward_pass_fails_its_requests_and_keeps_the_engine(model, tokenizer, monkeypatch):
     engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256))
     engine.add(EngineRequest("a", ids(tokenizer, "Hi"), greedy(5)))
     engine.add(EngineRequest("b", ids(tokenizer, "Hi"), greedy(5)))
     engine.step()
-    # a module the forward pass calls in its middle (the engine's decoder loop and generate alike)
-    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda *a: (_ for _ in ()).throw(RuntimeError("oom")))
-    try:
+    # fail in the middle of the forward pass (layer 0's attention, after its projections ran),
+    # as a CUDA out-of-memory error would
+    from worker.engine import attention
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "attend", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("oom")))
         outs = engine.step()
-    finally:
-        handle.remove()
     assert sorted((o.rid, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
     assert not engine.has_work and engine.cache.num_free == engine.cache.num_blocks and engine.kv_tokens_used == 0
     outs, _ = run(engine, {0: [EngineRequest("c", ids(tokenizer, "Hi"), greedy(5))]})

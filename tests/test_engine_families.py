@@ -3,6 +3,8 @@ the configs it cannot run exactly, refused at load with a clear error."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
@@ -10,6 +12,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaFor
 
 from shared.streams import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRequest
+from worker.engine.decoder import rotate
 from worker.engine.model_support import UnsupportedModel
 
 VOCAB = 512
@@ -105,3 +108,78 @@ def test_soft_capping_is_refused_even_in_an_accepted_family():
     config.attn_logit_softcapping = 50.0
     with pytest.raises(UnsupportedModel, match="soft-capped"):
         Engine(LlamaForCausalLM(config).eval(), _Tok(), EngineConfig(max_batch=2, max_seq_len=64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "qwen2", "qwen3", "mistral"])
+def test_decoder_norms_and_rope_are_the_models_own_bit_for_bit(family, dtype):
+    """The decoder's few-operation norm and rotation (decoder.py) take the fast path for every
+    accepted family and give exactly the model's module outputs, on inputs they were not
+    checked on at load."""
+    from worker.engine.decoder import Decoder
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval().to(dtype)
+    decoder = Decoder(model)
+    generator = torch.Generator().manual_seed(7)
+    x = (torch.randn(11, COMMON["hidden_size"], generator=generator) * 3).to(dtype)
+    for ours, theirs in zip(decoder.layers, model.model.layers):
+        for fast, module in ((ours.input_norm, theirs.input_layernorm), (ours.post_norm, theirs.post_attention_layernorm)):
+            assert fast is not module     # the fast path was taken ...
+            assert torch.equal(fast(x), module(x))    # ... and is exact
+        assert ours.act is torch.nn.functional.silu
+        if ours.q_norm is not None:
+            heads = (torch.randn(11, ours.heads, ours.head_dim, generator=generator) * 3).to(dtype)
+            assert ours.q_norm is not theirs.self_attn.q_norm
+            assert torch.equal(ours.q_norm(heads), theirs.self_attn.q_norm(heads))
+    assert torch.equal(decoder.norm(x), model.model.norm(x))
+    # RoPE at positions far apart, q and k rotated together as the decoder does
+    layer = decoder.layers[0]
+    positions = torch.tensor([[0, 1, 5, 63, 64, 200, 311, 480, 7, 2, 100]])
+    cos, sin = model.model.rotary_emb(x[None], positions)
+    q = (torch.randn(1, layer.heads, 11, layer.head_dim, generator=generator) * 3).to(dtype)
+    k = (torch.randn(1, layer.kv_heads, 11, layer.head_dim, generator=generator) * 3).to(dtype)
+    apply = sys.modules[type(layer.attn).__module__].apply_rotary_pos_emb
+    want_q, want_k = apply(q, k, cos, sin)
+    half = layer.head_dim // 2
+    signed = torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
+    both = rotate(torch.cat((q[0], k[0]), 0).transpose(0, 1), cos[0, :, None], signed)   # [T, H + KVH, D]
+    assert torch.equal(both[:, : layer.heads].transpose(0, 1), want_q[0])
+    assert torch.equal(both[:, layer.heads :].transpose(0, 1), want_k[0])
+
+
+def test_a_norm_that_differs_is_called_as_the_models_module():
+    from worker.engine.decoder import Decoder
+
+    class OffsetNorm(torch.nn.Module):   # Gemma-style (1 + weight): not what rms_norm computes
+        def __init__(self, norm):
+            super().__init__()
+            self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+        def forward(self, x):
+            x32 = x.float()
+            return ((1 + self.weight) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))).to(x.dtype)
+
+    torch.manual_seed(0)
+    model = FAMILIES["llama"]().eval()
+    model.model.layers[1].post_attention_layernorm = OffsetNorm(model.model.layers[1].post_attention_layernorm)
+    decoder = Decoder(model)
+    assert decoder.layers[1].post_norm is model.model.layers[1].post_attention_layernorm
+    assert decoder.layers[0].post_norm is not model.model.layers[0].post_attention_layernorm
+
+
+def test_a_rotary_embedding_that_differs_is_refused(monkeypatch):
+    """An interleaved (GPT-J style) rotation is not the rotate-half the decoder computes."""
+    from transformers.models.llama import modeling_llama
+
+    from worker.engine.decoder import Decoder
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        def rot(x):
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", interleaved)
+    with pytest.raises(UnsupportedModel, match="rotary"):
+        Decoder(FAMILIES["llama"]().eval())

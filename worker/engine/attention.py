@@ -1,11 +1,11 @@
-"""The engine's attention, with the signature of transformers' attention interface.
+"""The engine's attention over its paged KV cache.
 
-Each step packs every request's new tokens into ONE sequence [1, T] (a decoding request adds one
-token, a prefilling request a chunk of its prompt) with per-token position ids, so the model's
-projections, MLPs and RoPE run once for the whole batch. The decoder loop (`decoder.py`) hands us
-q/k/v of that packed sequence; registered as an attention implementation, the same function
-lets `model.generate` run on the model unchanged (it then behaves as SDPA). Here we write the new keys/values into their rows of the `PagedKVCache` pool (one `index_copy_` per
-layer, the rows precomputed from the block tables) and attend:
+Each step packs every request's new tokens into ONE sequence of T tokens (a decoding request adds
+one token, a prefilling request a chunk of its prompt) with per-token positions, so the model's
+projections, MLPs and RoPE run once for the whole batch. The decoder loop (`decoder.py`) calls
+`attend` per layer with q/k/v of that packed sequence as [T, heads, head_dim]; it writes the new
+keys/values into their rows of the `PagedKVCache` pool (one `index_copy_` per layer, the rows
+precomputed from the block tables) and attends:
 
 * decode tokens: rows come sorted by context length and are cut into segments
   (`decode_segments`), so one long request does not make every row attend over its length; a
@@ -19,8 +19,9 @@ flash-attn's `block_table` on a GPU) reads the blocks in place and is the next s
 available. Grouped-query attention is handled by folding the query heads that share a KV head
 into the query-length axis, so keys/values are never repeated.
 
-A sliding window (Mistral, Qwen2's windowed layers) is part of the mask: transformers passes
-each layer's `sliding_window`, and masks are built once per step for each window in use.
+A sliding window (Mistral, Qwen2's windowed layers) is part of the mask, built once per step for
+each window in use. The engine also registers `paged_kv` as a transformers attention
+implementation that is plain SDPA, so `model.generate` still runs on the engine's model.
 Which model families may use this attention is decided in `model_support.py`.
 """
 
@@ -35,7 +36,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 ATTN_IMPLEMENTATION = "paged_kv"
-META_KWARG = "paged_step"
 
 
 @dataclass
@@ -91,60 +91,61 @@ class StepMeta:
         return self._masks[key]
 
 
-def gather_blocks(pool: torch.Tensor, block_size: int, blocks: torch.Tensor, rows: int,
+def gather_blocks(pool_blocks: torch.Tensor, blocks: torch.Tensor, rows: int, kv_heads: int, head_dim: int,
                   out: torch.Tensor) -> torch.Tensor:
-    """[rows, kv_heads, n * block_size, head_dim] view of `blocks` (rows × n, row-major) of a
-    token-major pool [tokens, kv_heads, head_dim], copied into `out` (a reused workspace: a
-    fresh multi-MB tensor per layer costs more in page faults than the copy itself)."""
-    kv_heads, head_dim = pool.shape[1], pool.shape[2]
-    picked = torch.index_select(pool.view(pool.shape[0] // block_size, -1), 0, blocks,
-                                out=out[: blocks.numel()])
+    """[rows, kv_heads, n * block_size, head_dim] view of `blocks` (rows × n, row-major) of a pool
+    seen block by block ([blocks, block_size * kv_heads * head_dim], `PagedKVCache.key_blocks`),
+    copied into `out` (a reused workspace: a fresh multi-MB tensor per layer costs more in page
+    faults than the copy itself)."""
+    picked = torch.index_select(pool_blocks, 0, blocks, out=out[: blocks.numel()])
     return picked.view(rows, -1, kv_heads, head_dim).transpose(1, 2)
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention-interface signature; returns ([1, T, heads, head_dim], None)."""
-    meta: StepMeta | None = kwargs.pop(META_KWARG, None)
-    window = kwargs.get("sliding_window")
-    if meta is None:  # a plain forward/generate call on the same model: behave like "sdpa"
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    layer = module.layer_idx
+def attend(meta: StepMeta, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+           window: int | None) -> torch.Tensor:
+    """One layer's attention for the packed step: q [T, heads, D], k/v [T, kv_heads, D] (views
+    of the fused projection are fine) -> [T, heads, D]. Writes k/v into the layer's pool rows
+    first, so each token also attends to itself."""
     cache = meta.cache
-    k_pool, v_pool = cache.keys[layer], cache.values[layer]
-    # query [1, H, T, D]; key/value [1, KVH, T, D]; the pools are [rows, KVH, D]
-    k_pool.index_copy_(0, meta.write_rows, key[0].transpose(0, 1))
-    v_pool.index_copy_(0, meta.write_rows, value[0].transpose(0, 1))
-
-    heads, head_dim = query.shape[1], query.shape[3]
-    kv_heads = key.shape[1]
+    cache.keys[layer].index_copy_(0, meta.write_rows, k)
+    cache.values[layer].index_copy_(0, meta.write_rows, v)
+    k_blocks, v_blocks = cache.key_blocks[layer], cache.value_blocks[layer]
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
     groups = heads // kv_heads
-    bs = cache.block_size
-    q = query[0]  # [H, T, D]
     parts = []
     if meta.num_decode:
-        q_rows = q[:, : meta.num_decode].transpose(0, 1).reshape(meta.num_decode, kv_heads, groups, head_dim)
+        nd = meta.num_decode
+        q_rows = (q if nd == q.shape[0] else q[:nd]).reshape(nd, kv_heads, groups, head_dim)
         for index, seg in enumerate(meta.segments):
             rows = seg.end - seg.start
             parts.append(F.scaled_dot_product_attention(
-                q_rows[seg.start : seg.end], gather_blocks(k_pool, bs, seg.blocks, rows, cache.gathered_keys),
-                gather_blocks(v_pool, bs, seg.blocks, rows, cache.gathered_values),
-                attn_mask=meta.decode_mask(index, window),
-                scale=scaling,
+                q_rows if rows == nd else q_rows[seg.start : seg.end],
+                gather_blocks(k_blocks, seg.blocks, rows, kv_heads, head_dim, cache.gathered_keys),
+                gather_blocks(v_blocks, seg.blocks, rows, kv_heads, head_dim, cache.gathered_values),
+                attn_mask=meta.decode_mask(index, window), scale=scaling,
             ).reshape(rows, heads, head_dim))
     offset = meta.num_decode
     for index, chunk in enumerate(meta.prefills):
         c = chunk.length
-        q_chunk = q[:, offset : offset + c].reshape(1, kv_heads, groups * c, head_dim)
+        # fold the query heads sharing a KV head into the query axis: [1, KVH, G * c, D]
+        q_chunk = q[offset : offset + c].view(c, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
         out = F.scaled_dot_product_attention(
-            q_chunk, gather_blocks(k_pool, bs, chunk.blocks, 1, cache.gathered_keys),
-            gather_blocks(v_pool, bs, chunk.blocks, 1, cache.gathered_values),
+            q_chunk.reshape(1, kv_heads, groups * c, head_dim),
+            gather_blocks(k_blocks, chunk.blocks, 1, kv_heads, head_dim, cache.gathered_keys),
+            gather_blocks(v_blocks, chunk.blocks, 1, kv_heads, head_dim, cache.gathered_values),
             attn_mask=meta.prefill_mask(index, window), scale=scaling,
-        )  # [1, KVH, G*c, D]
+        )
         parts.append(out.view(kv_heads, groups, c, head_dim).permute(2, 0, 1, 3).reshape(c, heads, head_dim))
         offset += c
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-    return out.unsqueeze(0), None
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
+def sdpa_outside_the_engine(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What `paged_kv` does in a plain forward or `generate` call on the model (the engine's steps
+    call `attend` from its own decoder loop): transformers' SDPA attention."""
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
 def decode_segments(lengths: list[int], min_saving: float = 0.25) -> list[tuple[int, int, int]]:
@@ -190,5 +191,5 @@ def register() -> None:
     """Idempotent: make `paged_kv` a valid `attn_implementation`. Its mask function is SDPA's, so
     the model still runs `generate()` correctly outside the engine; engine steps pass a ready
     4D placeholder mask, which transformers hands through without building one."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_outside_the_engine)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

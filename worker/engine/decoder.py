@@ -1,22 +1,29 @@
-"""The decoder forward pass the engine runs: transformers' own modules and weights, called
-directly in one loop, with the q/k/v and the gate/up projections fused.
+"""The decoder forward pass the engine runs: transformers' weights, in one loop of few tensor ops.
 
-transformers' `model(...)` wraps every layer, attention and MLP in module calls, decorators and
-keyword plumbing, and runs seven projections per layer. At small batches on a CPU that Python
-and those extra matmul calls were a third of a decode step; on a GPU they are host time that
-every step pays (vLLM and nano-vllm own their model code for the same reason). Here each
-accepted family (`model_support.py`: Llama, Mistral, Qwen2, Qwen3) runs as:
+transformers' `model(...)` wraps every layer, attention, norm and MLP in module calls,
+decorators and keyword plumbing, and runs seven projections per layer. Each tensor operation is a
+dispatch on the host (on a GPU, a kernel launch): for a small model a decode step is mostly that
+host time, at every batch size, unless the whole step is replayed as a CUDA graph. So the loop
+below is written for the fewest operations that compute exactly what the model computes
+(`bench/decoder_dispatch.py` counts them: a Llama layer's decode step went from 73 to 42
+operations, views included, and a dispatch-bound step takes 0.64x the time):
 
-    h = embed(ids)
-    per layer:  x = input_norm(h); q, k, v = split(x @ Wqkv (+ b)); [Qwen3: q_norm, k_norm]
-                q, k = rope(q, k); h += o_proj(paged_attention(q, k, v))
-                x = post_norm(h); g, u = split(x @ Wgate_up); h += down(act(g) * u)
-    logits = lm_head(norm(h)[rows to keep])
+    h = embed(ids)                                               # [T, hidden], no batch axis
+    per layer:  x = rms(h); qkv = x @ Wqkv (+ b)                 # q/k/v fused
+                [Qwen3: q, k = rms(q), rms(k) per head]
+                q, k = rope(q, k)                                # one rotation over q and k together
+                h = h + o_proj(attention.attend(q, k, v))
+                x = rms(h); g, u = split(x @ Wgate_up); h = h + down(silu(g) * u)
+    logits = lm_head(rms(h)[rows to keep])
 
-The norms, rotary embedding, activation and `apply_rotary_pos_emb` are the model's own objects
-and functions, so the arithmetic is the model's. The fused weights are built once and the
-original projections' weights are replaced by views into them (no second copy in memory), so
-`model.generate` and this loop read the same numbers.
+Exactness: every function here runs the same operations in the same order as the model's own
+module (`rms_norm` is LlamaRMSNorm's forward without its no-op dtype casts; `rotate` is
+`apply_rotary_pos_emb`'s `x * cos + rotate_half(x) * sin`, with the sign of `rotate_half`'s
+negated half moved onto sin, which IEEE negation makes exact). That is checked when the
+decoder is built, bit for bit on the model's own device and dtype: a norm or activation that
+differs is called as the model's module instead, and a rotary embedding that differs refuses
+the model. The fused weights are built once and the original projections' weights become views
+of them (no second copy), so `model.generate` and this loop read the same numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine import attention
-from worker.engine.model_support import SUPPORTED_FAMILIES
+from worker.engine.model_support import SUPPORTED_FAMILIES, UnsupportedModel
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,25 +54,88 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward (and Mistral's, Qwen2's, Qwen3's), minus its casts when they are
+    no-ops: statistics in float32, then `weight * normalized`."""
+    dtype = x.dtype
+    x32 = x if dtype == torch.float32 else x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x32 if dtype == torch.float32 else x32.to(dtype))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [T, heads, D] with cos, signed_sin [T, 1, D]: `x * cos + rotate_half(x) * sin`
+    where rotate_half(x) = cat(-x2, x1); here roll(x) = cat(x2, x1) times cat(-sin1, sin2), the
+    same products (a sign flip is exact), in 4 operations instead of 7."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+
+def _norm_fn(module, sample: torch.Tensor):
+    """The cheapest callable that equals `module(x)` bit for bit (checked on `sample`)."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    weight = getattr(module, "weight", None)
+    if eps is not None and weight is not None:
+        with torch.inference_mode():
+            if torch.equal(rms_norm(sample, weight, eps), module(sample)):
+                return lambda x: rms_norm(x, weight, eps)
+    return module
+
+
 class _Layer:
-    def __init__(self, layer, config):
+    def __init__(self, layer, config, sample: torch.Tensor):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn
-        self.input_norm = layer.input_layernorm
-        self.post_norm = layer.post_attention_layernorm
+        self.index = attn.layer_idx
         self.qkv_weight, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.split = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
-        self.o_proj = attn.o_proj
-        self.q_norm = getattr(attn, "q_norm", None)
-        self.k_norm = getattr(attn, "k_norm", None)
+        self.heads = attn.q_proj.weight.shape[0] // attn.head_dim
+        self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        self.qk_v = [self.heads + self.kv_heads, self.kv_heads]   # head counts: split points of qkv
+        self.q_k = [self.heads, self.kv_heads]
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
+        self.input_norm = _norm_fn(layer.input_layernorm, sample)
+        self.post_norm = _norm_fn(layer.post_attention_layernorm, sample)
+        head_sample = torch.randn(5, self.head_dim, generator=torch.Generator(device=sample.device).manual_seed(1),
+                                  device=sample.device).to(sample.dtype)
+        self.q_norm = _norm_fn(attn.q_norm, head_sample) if getattr(attn, "q_norm", None) is not None else None
+        self.k_norm = _norm_fn(attn.k_norm, head_sample) if getattr(attn, "k_norm", None) is not None else None
         # Qwen2/Qwen3 set it per layer (None on full-attention layers); Mistral reads its config
         self.window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+        self.o_weight, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
         self.gate_up_weight, _ = _fuse([mlp.gate_proj, mlp.up_proj])
         self.inter = mlp.gate_proj.weight.shape[0]
-        self.act = mlp.act_fn
-        self.down = mlp.down_proj
+        with torch.inference_mode():
+            self.act = F.silu if torch.equal(F.silu(sample), mlp.act_fn(sample)) else mlp.act_fn
+        self.down_weight, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 meta: attention.StepMeta) -> torch.Tensor:
+        tokens = h.shape[0]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(self.input_norm(h), self.qkv_weight, self.qkv_bias)      # [T, (H + 2 KVH) D]
+        qk, v = qkv.view(tokens, heads + 2 * kv_heads, d).split(self.qk_v, dim=1)
+        if self.q_norm is None:   # rotate q and k in one pass: they are adjacent heads of qkv
+            q, k = rotate(qk, cos, signed_sin).split(self.q_k, dim=1)
+        else:
+            q, k = qk.split(self.q_k, dim=1)
+            q, k = rotate(self.q_norm(q), cos, signed_sin), rotate(self.k_norm(k), cos, signed_sin)
+        out = attention.attend(meta, self.index, q, k, v, self.scaling, self.window)  # [T, H, D]
+        h = h + F.linear(out.reshape(tokens, heads * d), self.o_weight, self.o_bias)
+        gate, up = F.linear(self.post_norm(h), self.gate_up_weight).split(self.inter, dim=-1)
+        return h + F.linear(self.act(gate) * up, self.down_weight, self.down_bias)
+
+
+def _check_rope(rope, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Refuse a model whose apply_rotary_pos_emb is not the rotation `rotate` computes."""
+    generator = torch.Generator(device=cos.device).manual_seed(0)
+    tokens = cos.shape[1]
+    q = torch.randn(1, heads, tokens, head_dim, generator=generator, device=cos.device).to(cos.dtype)
+    with torch.inference_mode():
+        expected, _ = rope(q, q, cos, sin)
+        signed = torch.cat((-sin[..., : head_dim // 2], sin[..., head_dim // 2 :]), dim=-1)
+        ours = rotate(q[0].transpose(0, 1), cos[0, :, None], signed[0, :, None]).transpose(0, 1)[None]
+    if not torch.equal(expected, ours):
+        raise UnsupportedModel("the model's rotary embedding is not the rotate-half RoPE the engine computes")
 
 
 class Decoder:
@@ -78,32 +148,26 @@ class Decoder:
         base = model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
-        self.norm = base.norm
-        self.lm_head = model.lm_head
-        self.rope = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.lm_weight, self.lm_bias = model.lm_head.weight, model.lm_head.bias
+        param = self.lm_weight
+        generator = torch.Generator(device=param.device).manual_seed(0)
+        sample = torch.randn(5, config.hidden_size, generator=generator, device=param.device).to(param.dtype)
+        self.norm = _norm_fn(base.norm, sample)
         with torch.no_grad():
-            self.layers = [_Layer(layer, config) for layer in base.layers[: config.num_hidden_layers]]
+            self.layers = [_Layer(layer, config, sample) for layer in base.layers[: config.num_hidden_layers]]
+        first = self.layers[0]
+        cos, sin = self.rotary(sample[None], torch.arange(5, device=param.device)[None])
+        _check_rope(sys.modules[type(first.attn).__module__].apply_rotary_pos_emb, cos, sin, first.heads,
+                    first.head_dim)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  meta: attention.StepMeta) -> torch.Tensor:
         """ids, positions: long [T] (the packed step); keep: rows whose logits are wanted."""
-        tokens = ids.shape[0]
-        h = self.embed(ids[None])                              # [1, T, hidden]
-        cos, sin = self.rotary(h, positions[None])
+        h = self.embed(ids)                                    # [T, hidden]
+        cos, sin = self.rotary(h, positions[None])             # [1, T, D] each, the model's own
+        half = cos.shape[-1] // 2
+        cos = cos[0, :, None]                                  # [T, 1, D]: broadcast over heads
+        signed_sin = torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
         for layer in self.layers:
-            x = layer.input_norm(h)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split(layer.split, dim=-1)
-            shape = (1, tokens, -1, layer.head_dim)
-            q, k, v = q.view(shape), k.view(shape), v.view(shape)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            out, _ = attention.paged_attention(layer.attn, q, k, v.transpose(1, 2), None, scaling=layer.scaling,
-                                               sliding_window=layer.window, **{attention.META_KWARG: meta})
-            h = h + layer.o_proj(out.reshape(1, tokens, -1))
-            x = layer.post_norm(h)
-            gate, up = F.linear(x, layer.gate_up_weight).split(layer.inter, dim=-1)
-            h = h + layer.down(layer.act(gate) * up)
-        h = self.norm(h[:, keep])
-        return self.lm_head(h)[0]
+            h = layer(h, cos, signed_sin, meta)
+        return F.linear(self.norm(h[keep]), self.lm_weight, self.lm_bias)

@@ -42,6 +42,10 @@ class PagedKVCache:
         # zeros, not empty: rows no request wrote are read (masked) as padding, and must be finite
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # the same memory seen block by block, [blocks, block_size * kv_heads * head_dim]: what
+        # attention gathers whole blocks from (made once, not a view per layer per step)
+        self.key_blocks = [pool.view(num_blocks, -1) for pool in self.keys]
+        self.value_blocks = [pool.view(num_blocks, -1) for pool in self.values]
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Workspaces attention gathers one segment's blocks into (one layer at a time); they
