@@ -599,6 +599,28 @@ def test_decode_segments_cut_off_one_long_row():
     assert decode_segments([7]) == [(0, 1, 7)]
 
 
+def test_decode_segments_take_the_cheapest_cut_when_it_saves_a_quarter():
+    """Against brute force over every cut: the cost is rows x longest context per segment."""
+    import random
+
+    from worker.engine.attention import decode_segments
+    rng = random.Random(0)
+    for _ in range(2000):
+        lengths = [rng.choice([rng.randint(1, 20), rng.randint(1, 2000)]) for _ in range(rng.randint(1, 40))]
+        if rng.random() < 0.5:
+            lengths.sort()
+        rows, whole = len(lengths), len(lengths) * max(lengths)
+        cost = lambda i: i * max(lengths[:i]) + (rows - i) * max(lengths[i:])
+        best = min((cost(i) for i in range(1, rows)), default=whole)
+        segments = decode_segments(lengths)
+        assert [s[:2] for s in segments] == ([(0, segments[0][1]), (segments[0][1], rows)] if len(segments) == 2 else [(0, rows)])
+        assert all(longest == max(lengths[a:b]) for a, b, longest in segments)
+        if best <= 0.75 * whole:
+            assert len(segments) == 2 and cost(segments[0][1]) == best
+        else:
+            assert len(segments) == 1
+
+
 def test_long_request_in_a_high_slot_equals_generate(model, tokenizer):
     """Short requests in low slots decode in their own segment while a long one sits in the
     highest slot: every request still equals generate() alone."""

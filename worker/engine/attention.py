@@ -28,6 +28,7 @@ Which model families may use this attention is decided in `model_support.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -154,18 +155,17 @@ def decode_segments(lengths: list[int], min_saving: float = 0.25) -> list[tuple[
     (e.g. one long request among short ones: the scheduler sorts rows by length)."""
     rows = len(lengths)
     whole = rows * max(lengths)
-    prefix, best, cut = [], whole, 0
-    for length in lengths:
-        prefix.append(max(length, prefix[-1]) if prefix else length)
-    suffix = 0
-    for i in range(rows - 1, 0, -1):
-        suffix = max(suffix, lengths[i])
-        cost = i * prefix[i - 1] + (rows - i) * suffix
-        if cost < best:
-            best, cut = cost, i
-    if cut and best <= whole * (1 - min_saving):
-        return [(0, cut, prefix[cut - 1]), (cut, rows, max(lengths[cut:]))]
-    return [(0, rows, max(lengths))]
+    if rows < 2:
+        return [(0, rows, whole)]
+    prefix = list(accumulate(lengths, max))                    # longest of rows [0, i]
+    suffix = list(accumulate(reversed(lengths), max))[::-1]    # longest of rows [i, rows)
+    # cutting before row i costs i * prefix[i - 1] + (rows - i) * suffix[i]; on a tie the last cut wins
+    costs = [i * prefix[i - 1] + (rows - i) * suffix[i] for i in range(1, rows)]
+    best = min(costs)
+    if best <= whole * (1 - min_saving) and best < whole:
+        cut = rows - 1 - costs[::-1].index(best)
+        return [(0, cut, prefix[cut - 1]), (cut, rows, suffix[cut])]
+    return [(0, rows, prefix[-1])]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

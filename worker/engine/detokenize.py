@@ -69,6 +69,14 @@ class IncrementalDetokenizer:
                 new = self._stream.step(self._backend, token_id)
             except Exception:  # e.g. a decode that does not extend the last one: use ours from here
                 self._stream = None
+            else:
+                if not self._stop:
+                    # The common case, once per row per step: without stop strings nothing is
+                    # held back, so the stream's text goes out as it comes (`text` stays empty,
+                    # as `_release` would leave it).
+                    if new is not None:
+                        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                    return new or ""
         if self._stream is None:
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._decode(self._ids[self._prefix_offset :])

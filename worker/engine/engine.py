@@ -211,33 +211,37 @@ class Engine:
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if (token in self.eos_ids and not seq.req.ignore_eos) or seq.detok.stopped:
+        if (token in self.eos_ids and not seq.ignore_eos) or seq.detok.stopped:
             return "stop"
-        if seq.completion_tokens >= seq.req.params.max_tokens:
+        if seq.completion_tokens >= seq.max_tokens:
             return "length"
         return None
 
     def _on_token(self, seq: Sequence, token: int, now_ms: int) -> StepOutput | None:
+        """One sampled token: its text, whether it ends the request, and what to report (the
+        same decisions as `_finish_reason`, made once: this runs per row per step)."""
         seq.tokens.append(token)
         seq.new_tokens += 1
-        n = seq.completion_tokens
-        if token in self.eos_ids and not seq.req.ignore_eos:
-            text = seq.detok.finish()
+        n = seq.completion_base + seq.new_tokens
+        detok = seq.detok
+        reason: FinishReason | None = None
+        if token in self.runner.eos_ids and not seq.ignore_eos:
+            text, reason = detok.finish(), "stop"
         else:
-            text = seq.detok.add(token)
-        reason = self._finish_reason(seq, token)
-        if reason == "length":
-            text += seq.detok.finish()
+            text = detok.add(token)
+            if detok.stopped:
+                reason = "stop"
+            elif n >= seq.max_tokens:
+                text += detok.finish()
+                reason = "length"
         if reason is not None:
             self._forget(seq)
-        suppressed = n <= seq.req.skip_tokens
-        if suppressed and reason is None:
-            return None
-        return StepOutput(
-            rid=seq.req.rid, text="" if suppressed else text, token_ids=[] if suppressed else [token],
-            finished=reason is not None, finish_reason=reason,
-            prompt_tokens=seq.prompt_len, completion_tokens=n, emitted_ms=now_ms,
-        )
+        ids = [token]
+        if n <= seq.skip_tokens:   # delivered by an earlier run: generated again, not emitted
+            if reason is None:
+                return None
+            text, ids = "", []
+        return StepOutput(seq.rid, text, ids, reason is not None, reason, seq.prompt_len, n, None, None, now_ms)
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
@@ -249,7 +253,7 @@ class Engine:
         """The request leaves the engine: its KV blocks are free (exactly once)."""
         seq.finished = True
         self.scheduler.remove(seq)
-        self._by_rid.pop(seq.req.rid, None)
+        self._by_rid.pop(seq.rid, None)
 
     def _take_finals(self) -> list[StepOutput]:
         finals, self._finals = self._finals, []
@@ -257,6 +261,6 @@ class Engine:
 
     def _final(self, seq: Sequence, text: str, reason: FinishReason, code: ErrorCode | None = None,
                message: str | None = None) -> StepOutput:
-        return StepOutput(rid=seq.req.rid, text=text, token_ids=[], finished=True, finish_reason=reason,
+        return StepOutput(rid=seq.rid, text=text, token_ids=[], finished=True, finish_reason=reason,
                           prompt_tokens=seq.prompt_len, completion_tokens=seq.completion_tokens,
                           error_code=code, error_message=message)

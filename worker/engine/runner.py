@@ -11,6 +11,7 @@ buffers; capture itself is not done: it needs a GPU to be developed and tested o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker.engine.attention import DecodeSegment, PrefillChunk, StepMeta, decode_segments
@@ -34,36 +35,33 @@ class ModelRunner:
         pin = device.type == "cuda"
         # host staging: [ids, positions, pool rows] rows, copied to the device in one transfer
         self._host = torch.zeros(3, max_tokens, dtype=torch.long, pin_memory=pin)
+        self._host_np = self._host.numpy()   # the same memory, filled from lists at numpy's speed
         self._dev = self._host if device.type == "cpu" else torch.zeros(3, max_tokens, dtype=torch.long, device=device)
 
-    def _blocks(self, table: list[int]) -> torch.Tensor:
-        return torch.tensor(table, dtype=torch.long).to(self.device, non_blocking=True)
+    def _long(self, values) -> torch.Tensor:
+        """A long tensor on the device from a Python list (through numpy: `torch.tensor` on a
+        list of ints costs ~0.4 µs an element, numpy ~0.05)."""
+        return torch.from_numpy(np.array(values, dtype=np.int64)).to(self.device, non_blocking=True)
 
     def execute(self, plan: StepPlan) -> list[int]:
         """Token ids sampled for `plan.sampled`, in that order."""
         bs = self.cache.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        rows: list[int] = []
-        for seq in plan.decode:
-            p = seq.computed
-            ids.append(seq.tokens[p])
-            pos.append(p)
-            rows.append(seq.blocks[p // bs] * bs + p % bs)
-        keep = list(range(len(plan.decode)))
+        decode = plan.decode
+        pos = [seq.computed for seq in decode]
+        ids = [seq.tokens[p] for seq, p in zip(decode, pos)]
+        rows = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(decode, pos)]
+        keep = list(range(len(decode)))
         chunks = []
         for seq, n in plan.prefill:
             start, blocks = seq.computed, seq.blocks
             ids.extend(seq.tokens[start : start + n])
             pos.extend(range(start, start + n))
             rows.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            chunks.append(PrefillChunk(start, n, self._blocks(blocks[: blocks_for(start + n, bs)])))
+            chunks.append(PrefillChunk(start, n, self._long(blocks[: blocks_for(start + n, bs)])))
             if start + n == len(seq.tokens):
                 keep.append(len(ids) - 1)
         total = len(ids)
-        self._host[0, :total] = torch.tensor(ids)
-        self._host[1, :total] = torch.tensor(pos)
-        self._host[2, :total] = torch.tensor(rows)
+        self._host_np[:, :total] = (ids, pos, rows)
         if self._dev is not self._host:
             self._dev[:, :total].copy_(self._host[:, :total], non_blocking=True)
         ids_t, pos_t, rows_t = self._dev[0, :total], self._dev[1, :total], self._dev[2, :total]
@@ -74,16 +72,15 @@ class ModelRunner:
         self.cache.reserve_gather(max([s.blocks.numel() for s in meta.segments] + [c.blocks.numel() for c in chunks]))
         sampled = plan.sampled
         with torch.inference_mode():
-            logits = self.decoder(ids_t, pos_t, torch.tensor(keep or [total - 1], device=self.device), meta)
+            logits = self.decoder(ids_t, pos_t, self._long(keep or [total - 1]), meta)
             if not sampled:
                 return []
-            masked = [row for row, s in enumerate(sampled) if s.req.ignore_eos]
+            masked = [row for row, s in enumerate(sampled) if s.ignore_eos]
             if masked and self.eos_ids:
                 rows_m = torch.tensor(masked, device=self.device)[:, None]
                 logits[rows_m, torch.tensor(sorted(self.eos_ids), device=self.device)[None, :]] = float("-inf")
-            params = [s.req.params for s in sampled]
-            tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
-                            [p.top_p for p in params], [s.generator for s in sampled], self.shared_generator)
+            temperature, top_k, top_p, generators = zip(*[s.sampling for s in sampled])
+            tokens = sample(logits, temperature, top_k, top_p, generators, self.shared_generator)
         return tokens.tolist()
 
     def _decode_layout(self, meta: StepMeta, plan: StepPlan) -> None:
@@ -92,7 +89,7 @@ class ModelRunner:
         bs = self.cache.block_size
         decode = plan.decode
         lengths = [seq.computed + 1 for seq in decode]
-        meta.decode_lengths = torch.tensor(lengths, device=self.device)
+        meta.decode_lengths = self._long(lengths)
         for start, end, longest in decode_segments(lengths):
             n = blocks_for(longest, bs)
             table: list[int] = []
@@ -100,4 +97,4 @@ class ModelRunner:
                 own = seq.blocks[:n]
                 table.extend(own)
                 table.extend([own[0]] * (n - len(own)))
-            meta.segments.append(DecodeSegment(start, end, self._blocks(table), n * bs))
+            meta.segments.append(DecodeSegment(start, end, self._long(table), n * bs))

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 Lane = Literal["interactive", "batch"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     req: "EngineRequest"
     detok: "IncrementalDetokenizer"
@@ -29,19 +29,32 @@ class Sequence:
     starved: int = 0                # consecutive steps it waited for admission / a prefill chunk
     preemptions: int = 0            # times its KV blocks were taken back (it recomputes them)
     finished: bool = False
+    # Copied from the request once: read for every row of every step (plain attributes, not
+    # properties over `req`, because at a few hundred rows per step each lookup is host time).
+    rid: str = field(init=False)
+    lane: Lane = field(init=False)
+    prompt_len: int = field(init=False)
+    completion_base: int = field(init=False)   # output tokens an earlier run delivered
+    max_tokens: int = field(init=False)
+    skip_tokens: int = field(init=False)
+    ignore_eos: bool = field(init=False)
+    sampling: tuple = field(init=False)        # (temperature, top_k, top_p, generator) for the sampler
 
-    @property
-    def lane(self) -> Lane:
-        return self.req.priority
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.prompt_ids)
+    def __post_init__(self) -> None:
+        req, params = self.req, self.req.params
+        self.rid = req.rid
+        self.lane = req.priority
+        self.prompt_len = len(req.prompt_ids)
+        self.completion_base = len(req.generated_ids)
+        self.max_tokens = params.max_tokens
+        self.skip_tokens = req.skip_tokens
+        self.ignore_eos = req.ignore_eos
+        self.sampling = (params.temperature, params.top_k, params.top_p, self.generator)
 
     @property
     def completion_tokens(self) -> int:
         """Output tokens so far, including those an earlier run delivered (continuation)."""
-        return len(self.req.generated_ids) + self.new_tokens
+        return self.completion_base + self.new_tokens
 
     @property
     def pending(self) -> int:

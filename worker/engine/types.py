@@ -40,7 +40,7 @@ class EngineRejected(Exception):
         self.message = message
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     rid: str
     text: str
