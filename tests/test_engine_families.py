@@ -142,6 +142,9 @@ def test_decoder_norms_and_rope_are_the_models_own_bit_for_bit(family, dtype):
     want_q, want_k = apply(q, k, cos, sin)
     half = layer.head_dim // 2
     signed = torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
+    # the decoder's per-position tables hold exactly what the rotary module computes for them
+    assert torch.equal(decoder.cos_table[positions[0]], cos[0, :, None])
+    assert torch.equal(decoder.signed_sin_table[positions[0]], signed)
     both = rotate(torch.cat((q[0], k[0]), 0).transpose(0, 1), cos[0, :, None], signed)   # [T, H + KVH, D]
     assert torch.equal(both[:, : layer.heads].transpose(0, 1), want_q[0])
     assert torch.equal(both[:, layer.heads :].transpose(0, 1), want_k[0])

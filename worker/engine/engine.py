@@ -65,7 +65,8 @@ class Engine:
                                   kv_heads=kv_heads, head_dim=head_dim, dtype=config.dtype, device=config.device)
         self.scheduler = Scheduler(self.cache, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
-                                  max_tokens=config.max_batch + config.prefill_chunk, device=self.device,
+                                  max_tokens=config.max_batch + config.prefill_chunk,
+                                  max_positions=config.max_seq_len, device=self.device,
                                   dtype=config.dtype)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings

@@ -22,9 +22,9 @@ from worker.engine.scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, *, groups: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype):
-        self.decoder = Decoder(model)
+    def __init__(self, model, cache: PagedKVCache, *, groups: int, max_tokens: int, max_positions: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.decoder = Decoder(model, max_positions)
         self.cache = cache
         self.groups = groups
         self.device = device
