@@ -140,7 +140,7 @@ def test_decoder_norms_and_rope_are_the_models_own_bit_for_bit(family, dtype):
     k = (torch.randn(1, layer.kv_heads, 11, layer.head_dim, generator=generator) * 3).to(dtype)
     apply = sys.modules[type(layer.attn).__module__].apply_rotary_pos_emb
     want_q, want_k = apply(q, k, cos, sin)
-    half = layer.head_dim // 2
+    half = layer.head_dim // 2   # rotate_half's negated half, moved onto sin
     signed = torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
     # the decoder's per-position tables hold exactly what the rotary module computes for them
     assert torch.equal(decoder.cos_table[positions[0]], cos[0, :, None])
