@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from worker.engine.host_lists import float_tensor, long_tensor
+
 CANDIDATES = 1024   # tokens top-k / top-p look at before falling back to a full sort
 
 
@@ -60,8 +62,8 @@ def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top
     for rows, draw in ((unseeded, _by_inverse_cdf), (seeded, _by_race)):
         if not rows:
             continue
-        idx = torch.tensor(rows, device=device)
-        temps = torch.tensor([temperature[i] for i in rows], device=device, dtype=torch.float32)
+        idx = long_tensor(rows, device)
+        temps = float_tensor([temperature[i] for i in rows], device)
         probs = (logits.index_select(0, idx).float() / temps[:, None]).softmax(dim=-1)
         ks = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in rows]
         ps = [top_p[i] for i in rows]
@@ -80,7 +82,7 @@ def _by_inverse_cdf(probs: torch.Tensor, ks: list[int], ps: list[float], _genera
         return _truncated(probs, uniform, ks, ps)
     truncated = [row for row, c in enumerate(is_cut) if c]
     plain = [row for row, c in enumerate(is_cut) if not c]
-    cut, whole = torch.tensor(truncated, device=probs.device), torch.tensor(plain, device=probs.device)
+    cut, whole = long_tensor(truncated, probs.device), long_tensor(plain, probs.device)
     choice = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     choice[whole] = _inverse_cdf(probs.index_select(0, whole), uniform.index_select(0, whole))
     choice[cut] = _truncated(probs.index_select(0, cut), uniform.index_select(0, cut),
@@ -148,8 +150,8 @@ def _truncated_within(probs: torch.Tensor, ks: list[int], ps: list[float],
     within them (k <= width), or its top-p prefix ended inside them."""
     device = probs.device
     vocab = probs.shape[-1]
-    k_t = torch.tensor(ks, device=device)[:, None]
-    p_t = torch.tensor(ps, device=device, dtype=torch.float32)[:, None]
+    k_t = long_tensor(ks, device)[:, None]
+    p_t = float_tensor(ps, device)[:, None]
     vals, order = probs.topk(width, dim=-1) if width < vocab else probs.sort(dim=-1, descending=True)
     vals = vals.masked_fill(torch.arange(width, device=device)[None, :] >= k_t, 0.0)
     # top-k's mass when it has a top-k (always within `width`), else the whole distribution's
