@@ -3,7 +3,7 @@
 Modules: `engine` (public API, per-request updates), `scheduler` (what runs each step),
 `runner` (one forward pass + sampling), `decoder` (the forward loop over the model's own modules, fused projections), `attention` (paged attention plugged into transformers),
 `kv_cache`, `sampling`, `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
-models are accepted), `config`, `loading`.
+models are accepted), `host_lists` (per-row lists to tensors), `config`, `loading`.
 
 The worker owns one `Engine` in a dedicated thread (of its engine process, worker.engine_process): `add`/`cancel` between steps, `step()` in a
 loop while `has_work`.
