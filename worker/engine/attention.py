@@ -142,13 +142,6 @@ def attend(meta: StepMeta, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 
-def sdpa_outside_the_engine(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """What `paged_kv` does in a plain forward or `generate` call on the model (the engine's steps
-    call `attend` from its own decoder loop): transformers' SDPA attention."""
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
-
-
 def decode_segments(lengths: list[int], min_saving: float = 0.25) -> list[tuple[int, int, int]]:
     """Cut decode rows [0, len(lengths)) into at most two contiguous ranges, each attending over
     its own longest context, when that saves at least `min_saving` of the rows x max_len work
@@ -188,8 +181,8 @@ def prefill_mask(start: int, length: int, groups: int, device, dtype: torch.dtyp
 
 
 def register() -> None:
-    """Idempotent: make `paged_kv` a valid `attn_implementation`. Its mask function is SDPA's, so
-    the model still runs `generate()` correctly outside the engine; engine steps pass a ready
-    4D placeholder mask, which transformers hands through without building one."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_outside_the_engine)
+    """Idempotent: make `paged_kv` a valid `attn_implementation`: transformers' SDPA attention and
+    mask, so a plain forward or `generate()` on the engine's model still works (the engine's
+    steps do not go through transformers: they call `attend` from the decoder loop)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

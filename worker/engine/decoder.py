@@ -88,8 +88,8 @@ def _samples(width: int, like: torch.Tensor, seed: int) -> list[torch.Tensor]:
 
 def _norm_fn(module, samples: list[torch.Tensor]):
     """The cheapest callable that equals `module(x)` bit for bit on every sample: torch's own
-    `rms_norm` (one operation; equal on CPU in fp32, not in bf16), else `rms_norm` above, else
-    the module itself."""
+    `rms_norm` (one operation; equal on CPU in fp32, not in bf16 with trained weights), else
+    `rms_norm` above, else the module itself."""
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if eps is None or weight is None:
@@ -118,9 +118,10 @@ class _Layer:
         self.scaling = attn.scaling
         self.input_norm = _norm_fn(layer.input_layernorm, samples)
         self.post_norm = _norm_fn(layer.post_attention_layernorm, samples)
-        head_samples = _samples(self.head_dim, samples[0], seed=1)
-        self.q_norm = _norm_fn(attn.q_norm, head_samples) if getattr(attn, "q_norm", None) is not None else None
-        self.k_norm = _norm_fn(attn.k_norm, head_samples) if getattr(attn, "k_norm", None) is not None else None
+        self.q_norm = self.k_norm = None
+        if getattr(attn, "q_norm", None) is not None:   # Qwen3: per-head norms of q and k
+            head_samples = _samples(self.head_dim, samples[0], seed=1)
+            self.q_norm, self.k_norm = _norm_fn(attn.q_norm, head_samples), _norm_fn(attn.k_norm, head_samples)
         # Qwen2/Qwen3 set it per layer (None on full-attention layers); Mistral reads its config
         self.window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
         self.o_weight, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
@@ -183,7 +184,7 @@ class Decoder:
         with torch.inference_mode():
             # [positions, 1, D]: cos and sin with rotate_half's sign folded in (see `rotate`)
             cos, sin = base.rotary_emb(samples[0][None], torch.arange(max_positions, device=param.device)[None])
-            self.cos_table = cos[0, :, None].clone()
+            self.cos_table = cos[0, :, None]
             self.signed_sin_table = fold_sign(sin[0, :, None])
             # the table holds what the module computes for any batch of positions (it is static RoPE:
             # model_support refuses the kinds whose frequencies depend on the sequence)

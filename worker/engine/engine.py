@@ -150,7 +150,7 @@ class Engine:
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
         self._by_rid[req.rid] = seq
-        done = self._finish_reason(seq, req.generated_ids[-1]) if req.generated_ids else None
+        done = self._finish_reason(seq, self._ends(seq, req.generated_ids[-1])) if req.generated_ids else None
         if done is not None:  # the earlier run had already finished: only its final was lost
             self._forget(seq)
             self._finals.append(self._final(seq, detok.finish(), done))
@@ -211,32 +211,30 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if (token in self.eos_ids and not seq.ignore_eos) or seq.detok.stopped:
+    def _ends(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` is an end-of-sequence token for this request."""
+        return token in self.runner.eos_ids and not seq.ignore_eos
+
+    def _finish_reason(self, seq: Sequence, eos: bool) -> FinishReason | None:
+        """Why the request ends after its latest token (`eos`: that token ends sequences), if it does."""
+        if eos or seq.detok.stopped:
             return "stop"
         if seq.completion_tokens >= seq.max_tokens:
             return "length"
         return None
 
     def _on_token(self, seq: Sequence, token: int, now_ms: int) -> StepOutput | None:
-        """One sampled token: its text, whether it ends the request, and what to report (the
-        same decisions as `_finish_reason`, made once: this runs per row per step)."""
+        """One sampled token: its text, whether it ends the request, and what to report."""
         seq.tokens.append(token)
         seq.new_tokens += 1
-        n = seq.completion_base + seq.new_tokens
-        detok = seq.detok
-        reason: FinishReason | None = None
-        if token in self.runner.eos_ids and not seq.ignore_eos:
-            text, reason = detok.finish(), "stop"
-        else:
-            text = detok.add(token)
-            if detok.stopped:
-                reason = "stop"
-            elif n >= seq.max_tokens:
-                text += detok.finish()
-                reason = "length"
+        eos = self._ends(seq, token)
+        text = seq.detok.finish() if eos else seq.detok.add(token)
+        reason = self._finish_reason(seq, eos)
         if reason is not None:
+            if reason == "length":
+                text += seq.detok.finish()
             self._forget(seq)
+        n = seq.completion_base + seq.new_tokens
         ids = [token]
         if n <= seq.skip_tokens:   # delivered by an earlier run: generated again, not emitted
             if reason is None:
