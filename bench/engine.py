@@ -83,9 +83,11 @@ RANDOM_CONFIGS = {
 }
 
 
-def random_model(name: str, device: str, dtype: torch.dtype):
+def random_model(name: str, device: str, dtype: torch.dtype, tokenizer_dir: str = ""):
     """A model of `name`'s shape with random weights, built in code (no download), and
-    SmolLM2's tokenizer (its ids fit every vocabulary above) for the prompts."""
+    SmolLM2's tokenizer (its ids fit every vocabulary above) for the prompts: from the GGUF, or
+    from `tokenizer_dir` (SmolLM2's tokenizer saved with `save_pretrained`, for a machine that
+    has neither the GGUF package nor `gguf`, such as a GPU box reached with a small upload)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     family, kwargs = RANDOM_CONFIGS[name]
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
@@ -94,7 +96,10 @@ def random_model(name: str, device: str, dtype: torch.dtype):
     with torch.device(device):
         model = model_cls(config).to(dtype)
     model.eval().requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+    if tokenizer_dir:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
     return model, tok
 
 QUESTIONS = [
@@ -408,6 +413,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--random-weights", default="", choices=["", *RANDOM_CONFIGS],
                     help="random weights in a real model's shape instead of the SmolLM2 GGUF")
+    ap.add_argument("--tokenizer", default="", help="with --random-weights: a saved tokenizer directory "
+                                                    "instead of SmolLM2's GGUF")
     ap.add_argument("--llamacpp-url", default="", help="a running llama-server for the llamacpp method")
     ap.add_argument("--concurrency", default="1,16,64,256", help="fixed workload: requests at once (= max_batch)")
     ap.add_argument("--fixed-prompt", type=int, default=128)
@@ -424,7 +431,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.random_weights:
-        model, tok = random_model(args.random_weights, args.device, resolve_dtype(args.dtype, args.device))
+        model, tok = random_model(args.random_weights, args.device, resolve_dtype(args.dtype, args.device),
+                                  args.tokenizer)
     else:
         settings = Settings(model_path=args.model_path, device=args.device, dtype=args.dtype,
                             torch_threads=args.threads)
