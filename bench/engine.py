@@ -64,7 +64,7 @@ from bench.common import percentile, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
-from worker.engine.config import resolve_dtype  # noqa: E402
+from worker.engine.config import default_prefill_chunk, resolve_dtype  # noqa: E402
 from worker.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
 
 # Real models' shapes, for --random-weights (from their published config.json files).
@@ -259,7 +259,8 @@ def prepare_hf_cb(model, tok, reqs, args):
 def prepare_engine(model, tok, reqs, args):
     max_len = max(len(r.prompt) + r.n for r in reqs)
     engine = Engine(model, tok, EngineConfig(max_batch=_batch(reqs, args), max_seq_len=max_len,
-                                             prefill_chunk=args.prefill_chunk, device=str(model.device.type),
+                                             prefill_chunk=args.prefill_chunk or default_prefill_chunk(model.device.type),
+                                             device=str(model.device.type),
                                              dtype=model.dtype))
 
     def run(t0):
@@ -405,7 +406,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--rate", type=float, default=2.0, help="mixed arrivals per second (Poisson)")
     ap.add_argument("--static-wait", type=float, default=0.5, help="static batcher's max wait to fill a batch (s)")
-    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="0 = the engine's default for the device "
+                                                                "(256 on CPU, 2048 on CUDA)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="uniform workload: runs of the quick methods (static, engine); median reported")
     ap.add_argument("--threads", type=int, default=0)

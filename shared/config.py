@@ -64,9 +64,15 @@ class Settings(BaseSettings):
                                                     "its engine so that admission follows priority lanes")
     max_seq_len: int = Field(2048, description="max prompt + output tokens of one request")
     kv_cache_tokens: int = Field(0, description="KV-cache pool size in tokens, allocated at start-up; "
-                                 "0 = max_batch * max_seq_len (nothing is ever preempted)")
+                                 "0 = max_batch * max_seq_len (nothing is ever preempted), on CUDA "
+                                 "capped by kv_memory_fraction of the free GPU memory")
+    kv_memory_fraction: float = Field(0.85, gt=0, le=1, description="CUDA: share of the GPU memory free after "
+                                      "loading the model that the KV pool may take when kv_cache_tokens is 0")
+    cuda_graphs: bool = Field(True, description="CUDA: replay decode-only steps as captured CUDA graphs "
+                                                "(captured at start-up for a ladder of batch sizes)")
     kv_block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the paging unit)")
-    prefill_chunk: int = Field(256, description="prompt tokens processed per step (chunked prefill)")
+    prefill_chunk: int = Field(0, ge=0, description="prompt tokens processed per step (chunked prefill); "
+                                                    "0 = 256 on CPU, 2048 on CUDA")
     lane_aging_steps: int = Field(256, description="a batch request that waited this many engine steps is served "
                                                    "as interactive (batch work always progresses)")
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch default")

@@ -7,6 +7,10 @@ projections, MLPs and RoPE run once for the whole batch. The decoder loop (`deco
 keys/values into their rows of the `PagedKVCache` pool (one `index_copy_` per layer, the rows
 precomputed from the block tables) and attends:
 
+* on CUDA, every token (decode rows and prompt chunks alike) goes through the paged kernel
+  (`paged_attention.py`): one launch per layer reads each request's blocks in place up to each
+  token's own length, from fixed-shape block-table and length tensors (what lets a decode step
+  be replayed as a CUDA graph). Elsewhere:
 * decode tokens: rows come sorted by context length and are cut into segments
   (`decode_segments`), so one long request does not make every row attend over its length; a
   segment gathers its rows' blocks into a `[rows, kv_heads, blocks × block_size, head_dim]`
@@ -14,9 +18,8 @@ precomputed from the block tables) and attends:
 * prefill chunks: one SDPA per chunk against that request's gathered blocks, with a causal mask
   offset by the chunk's start.
 
-The gather copies what attention reads once more; a fused paged-attention kernel (vLLM's, or
-flash-attn's `block_table` on a GPU) reads the blocks in place and is the next step where one is
-available. Grouped-query attention is handled by folding the query heads that share a KV head
+The gather copies what attention reads once more; that is cheap next to a CPU's arithmetic.
+Grouped-query attention is handled by folding the query heads that share a KV head
 into the query-length axis, so keys/values are never repeated.
 
 A sliding window (Mistral, Qwen2's windowed layers) is part of the mask, built once per step for
@@ -35,6 +38,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+from worker.engine.paged_attention import paged_attention
 
 ATTN_IMPLEMENTATION = "paged_kv"
 
@@ -64,6 +69,11 @@ class StepMeta:
     groups: int                     # query heads per KV head
     dtype: torch.dtype
     decode_lengths: torch.Tensor | None = None  # long [num_decode]: context length of each row (query at length-1)
+    # The paged kernel's inputs (`paged_attention`, CUDA); when set, every token of the step
+    # attends through it, and `segments` / `prefills` are not used:
+    block_tables: torch.Tensor | None = None   # int32 [requests, max_blocks]
+    table_rows: torch.Tensor | None = None     # long [T]: each token's request (row of block_tables)
+    token_lengths: torch.Tensor | None = None  # long [T]: each token attends to positions [0, length)
     segments: list[DecodeSegment] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
@@ -115,6 +125,9 @@ def attend(meta: StepMeta, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
     kv_heads = k.shape[1]
     groups = heads // kv_heads
     parts = []
+    if meta.block_tables is not None:
+        return paged_attention(q, cache.keys[layer], cache.values[layer], meta.block_tables, meta.table_rows,
+                               meta.token_lengths, scaling, window, cache.block_size)
     if meta.num_decode:
         nd = meta.num_decode
         q_rows = (q if nd == q.shape[0] else q[:nd]).reshape(nd, kv_heads, groups, head_dim)

@@ -27,6 +27,14 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return torch.float32
 
 
+def default_prefill_chunk(device: str) -> int:
+    """Prompt tokens a step takes when PREFILL_CHUNK is 0. On a CPU a step's time grows with its
+    tokens, so a small chunk keeps running streams' inter-token gap short; on a GPU a step of a
+    few thousand tokens costs little more than a decode step (the host's per-step work dominates
+    a small model), so a large chunk cuts time to first token."""
+    return 2048 if device.startswith("cuda") else 256
+
+
 @dataclass
 class EngineConfig:
     max_batch: int = 16           # running requests (rows of a decode step)
@@ -37,10 +45,12 @@ class EngineConfig:
     lane_aging_steps: int = 8     # a request starved this many steps is served as interactive
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    cuda_graphs: bool = True      # CUDA: replay decode-only steps as captured graphs
+    kv_memory_fraction: float = 0.85   # CUDA, kv_cache_tokens = 0: share of free GPU memory the pool may take
 
     def __post_init__(self):
         if (self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0
-                or self.lane_aging_steps < 1 or self.kv_block_size < 1):
+                or self.lane_aging_steps < 1 or self.kv_block_size < 1 or not 0 < self.kv_memory_fraction <= 1):
             raise ValueError(f"invalid engine config: {self}")
 
     @property
@@ -59,8 +69,37 @@ class EngineConfig:
             max_seq_len=settings.max_seq_len,
             kv_cache_tokens=settings.kv_cache_tokens,
             kv_block_size=settings.kv_block_size,
-            prefill_chunk=settings.prefill_chunk,
+            prefill_chunk=settings.prefill_chunk or default_prefill_chunk(device),
             lane_aging_steps=settings.lane_aging_steps,
             device=device,
             dtype=resolve_dtype(settings.dtype, device),
+            cuda_graphs=settings.cuda_graphs,
+            kv_memory_fraction=settings.kv_memory_fraction,
         )
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes a new allocation on `device` can take: the driver's free memory plus what torch's
+    caching allocator holds but does not use (an engine built after another one was dropped)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def kv_blocks(config: EngineConfig, layers: int, kv_heads: int, head_dim: int) -> int:
+    """KV blocks to allocate. On CUDA the pool must also fit the GPU: by default it is
+    `config.num_blocks` capped by `kv_memory_fraction` of the free memory (the rest is left for
+    activations, CUDA graphs and the sampler); an explicit `kv_cache_tokens` that does not fit is
+    an error at start-up rather than an out-of-memory later."""
+    blocks = config.num_blocks
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return blocks
+    from worker.engine.kv_cache import bytes_per_token
+    block_bytes = bytes_per_token(layers, kv_heads, head_dim, config.dtype) * config.kv_block_size
+    fits = int(free_device_memory(device) * config.kv_memory_fraction) // block_bytes - 1   # - the scratch block
+    if config.kv_cache_tokens and blocks > fits:
+        raise ValueError(f"KV_CACHE_TOKENS={config.kv_cache_tokens} needs {blocks * block_bytes / 2**30:.1f} GiB; "
+                         f"{config.kv_memory_fraction:.0%} of the free GPU memory holds {fits * config.kv_block_size} tokens")
+    if fits < 1:
+        raise ValueError("no GPU memory left for the KV cache")
+    return min(blocks, fits)

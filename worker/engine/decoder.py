@@ -196,12 +196,25 @@ class Decoder:
         _check_rope(sys.modules[type(first.attn).__module__].apply_rotary_pos_emb, cos[:, :5], sin[:, :5],
                     first.heads, first.head_dim)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None,
                  meta: attention.StepMeta) -> torch.Tensor:
-        """ids, positions: long [T] (the packed step); keep: rows whose logits are wanted."""
+        """ids, positions: long [T] (the packed step); keep: rows whose logits are wanted (None:
+        all)."""
+        h = self.hidden(ids, positions, meta)
+        return self.logits(self.norm(h if keep is None else h[keep]))
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta: attention.StepMeta) -> torch.Tensor:
+        """The last layer's output [T, hidden], before the final norm."""
         h = self.embed(ids)                                    # [T, hidden]
         cos = self.cos_table.index_select(0, positions)        # [T, 1, D]: broadcast over heads
         signed_sin = self.signed_sin_table.index_select(0, positions)
         for layer in self.layers:
             h = layer(h, cos, signed_sin, meta)
-        return F.linear(self.norm(h[keep]), self.lm_weight, self.lm_bias)
+        return h
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """lm_head over final-normed hidden states [rows, hidden] -> [rows, vocab]. Kept out of
+        a captured decode graph: run on the real rows only, it skips the padding rows' logits
+        (the largest matrix product of a small model's step) and needs no [rows, vocab] output
+        per captured batch size."""
+        return F.linear(normed, self.lm_weight, self.lm_bias)

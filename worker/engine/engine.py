@@ -21,7 +21,7 @@ import torch
 
 from shared.errors import ErrorCode
 from worker.engine import attention
-from worker.engine.config import EngineConfig
+from worker.engine.config import EngineConfig, kv_blocks
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.kv_cache import PagedKVCache, model_kv_shape
 from worker.engine.model_support import check_supported
@@ -61,13 +61,14 @@ class Engine:
         if param.device.type != self.device.type or param.dtype != config.dtype:
             raise ValueError(f"model is on {param.device}/{param.dtype}, engine config says "
                              f"{config.device}/{config.dtype}")
-        self.cache = PagedKVCache(layers=layers, num_blocks=config.num_blocks, block_size=config.kv_block_size,
+        self.cache = PagedKVCache(layers=layers, num_blocks=kv_blocks(config, layers, kv_heads, head_dim),
+                                  block_size=config.kv_block_size,
                                   kv_heads=kv_heads, head_dim=head_dim, dtype=config.dtype, device=config.device)
         self.scheduler = Scheduler(self.cache, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
-                                  max_tokens=config.max_batch + config.prefill_chunk,
+                                  max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
                                   max_positions=config.max_seq_len, device=self.device,
-                                  dtype=config.dtype)
+                                  dtype=config.dtype, cuda_graphs=config.cuda_graphs)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._logits_width = model.get_output_embeddings().weight.shape[0]   # a seeded token's noise

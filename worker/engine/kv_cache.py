@@ -29,6 +29,11 @@ def model_kv_shape(model_config) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
+def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """KV memory one token takes in every layer (a key and a value row)."""
+    return 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -38,15 +43,18 @@ class PagedKVCache:
                  dtype: torch.dtype, device: str):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
-        shape = (num_blocks * block_size, kv_heads, head_dim)
+        # One block more than requests can take: the scratch block, where the padding rows of a
+        # replayed CUDA graph write and read (`scratch_block`); it is never handed out.
+        shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
         # zeros, not empty: rows no request wrote are read (masked) as padding, and must be finite
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         # the same memory seen block by block, [blocks, block_size * kv_heads * head_dim]: what
         # attention gathers whole blocks from (made once, not a view per layer per step)
-        self.key_blocks = [pool.view(num_blocks, -1) for pool in self.keys]
-        self.value_blocks = [pool.view(num_blocks, -1) for pool in self.values]
+        self.key_blocks = [pool.view(num_blocks + 1, -1) for pool in self.keys]
+        self.value_blocks = [pool.view(num_blocks + 1, -1) for pool in self.values]
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
         self.block_size = block_size
         # Workspaces attention gathers one segment's blocks into (one layer at a time); they
         # grow to the largest gather seen, at most the pool of one layer.

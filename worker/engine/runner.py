@@ -2,28 +2,39 @@
 
 The runner owns the model call and the per-step index tensors; it never changes request
 state (the engine does that from the sampled tokens), so a failed forward pass leaves every
-request as it was. Input ids, positions and the KV pool rows each token writes are staged in a
-host buffer allocated once (`max_batch + prefill_chunk` tokens) and copied to the device in one
-transfer (pinned and non-blocking on CUDA); block tables of the decode segments and prefill
-chunks are small per-step tensors. (CUDA graphs for decode-only steps would capture over these
-buffers; capture itself is not done: it needs a GPU to be developed and tested on.)
+request as it was. Input ids, positions, the KV pool rows each token writes and the decode rows'
+attention inputs are staged in one host buffer allocated once (`max_batch + prefill_chunk`
+tokens) and copied to the device in one transfer (pinned and non-blocking on CUDA).
+
+On CUDA (with Triton) every token attends through the paged kernel (`paged_attention.py`), fed
+the step's block tables staged the same way, and a step that only decodes replays a captured
+CUDA graph (`cuda_graphs.py`) of the smallest captured batch size that holds it, its extra rows
+padded onto the KV cache's scratch block. Elsewhere decode rows are cut into segments of similar
+length and prompt chunks attend one by one (`attention.py`).
 """
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
+from worker.engine import paged_attention
 from worker.engine.attention import DecodeSegment, PrefillChunk, StepMeta, decode_segments
+from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from worker.engine.decoder import Decoder
 from worker.engine.host_lists import long_tensor
 from worker.engine.kv_cache import PagedKVCache, blocks_for
 from worker.engine.sampling import sample
 from worker.engine.scheduler import StepPlan
 
+IDS, POSITIONS, ROWS, LENGTHS, TABLE_ROWS = range(5)   # rows of the staging buffers
+
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, *, groups: int, max_tokens: int, max_positions: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, cache: PagedKVCache, *, groups: int, max_batch: int, max_tokens: int,
+                 max_positions: int, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = True):
         self.decoder = Decoder(model, max_positions)
         self.cache = cache
         self.groups = groups
@@ -33,41 +44,79 @@ class ModelRunner:
         self.shared_generator.seed()
         self.eos_ids: set[int] = set()  # masked for requests with ignore_eos
         pin = device.type == "cuda"
-        # host staging: [ids, positions, pool rows] rows, copied to the device in one transfer
-        self._host = torch.zeros(3, max_tokens, dtype=torch.long, pin_memory=pin)
+        # host staging: [ids, positions, pool rows, lengths, table rows] per token, copied to the
+        # device in one transfer
+        self._host = torch.zeros(5, max_tokens, dtype=torch.long, pin_memory=pin)
         self._host_np = self._host.numpy()   # the same memory, filled from lists at numpy's speed
-        self._dev = self._host if device.type == "cpu" else torch.zeros(3, max_tokens, dtype=torch.long, device=device)
+        self._dev = self._host if device.type == "cpu" else torch.zeros(5, max_tokens, dtype=torch.long, device=device)
+        self._arange = np.arange(max_tokens)
+        # the step's block tables (a row per request) for the paged kernel, staged the same way
+        self.paged_kernel = paged_attention.available(device)
+        self._host_table = self._dev_table = None
+        if self.paged_kernel:
+            width = blocks_for(max_positions, cache.block_size)
+            self._host_table = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=pin)
+            self._host_table_np = self._host_table.numpy()
+            self._dev_table = (self._host_table if device.type == "cpu"
+                               else torch.zeros(max_batch, width, dtype=torch.int32, device=device))
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.paged_kernel and device.type == "cuda":
+            self._pad(0, max_batch)
+            self._upload(max_batch)
+            self.graphs = DecodeGraphs(self.decoder, self._dev[IDS], self._dev[POSITIONS], self._graph_meta,
+                                       capture_sizes(max_batch))
 
     def execute(self, plan: StepPlan) -> list[int]:
         """Token ids sampled for `plan.sampled`, in that order."""
         bs = self.cache.block_size
         decode = plan.decode
+        nd = len(decode)
+        graph_rows = self.graphs.size_for(nd) if self.graphs is not None and nd and not plan.prefill else None
+        kernel = self.paged_kernel
         pos = [seq.computed for seq in decode]
         ids = [seq.tokens[p] for seq, p in zip(decode, pos)]
         rows = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(decode, pos)]
-        keep = list(range(len(decode)))
+        keep = list(range(nd))
         chunks = []
-        for seq, n in plan.prefill:
+        if kernel:
+            self._host_np[TABLE_ROWS, :nd] = self._arange[:nd]   # decode row i reads table i
+        for index, (seq, n) in enumerate(plan.prefill):
             start, blocks = seq.computed, seq.blocks
+            if kernel:   # the chunk's tokens read their request's table, after the decode rows'
+                self._host_np[TABLE_ROWS, len(ids) : len(ids) + n] = nd + index
+            else:
+                chunks.append(PrefillChunk(start, n, long_tensor(blocks[: blocks_for(start + n, bs)], self.device)))
             ids.extend(seq.tokens[start : start + n])
             pos.extend(range(start, start + n))
             rows.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            chunks.append(PrefillChunk(start, n, long_tensor(blocks[: blocks_for(start + n, bs)], self.device)))
             if start + n == len(seq.tokens):
                 keep.append(len(ids) - 1)
         total = len(ids)
-        self._host_np[:, :total] = (ids, pos, rows)
-        if self._dev is not self._host:
-            self._dev[:, :total].copy_(self._host[:, :total], non_blocking=True)
-        ids_t, pos_t, rows_t = self._dev[0, :total], self._dev[1, :total], self._dev[2, :total]
-        meta = StepMeta(cache=self.cache, write_rows=rows_t, write_pos=pos_t, num_decode=len(plan.decode),
-                        groups=self.groups, dtype=self.dtype, prefills=chunks)
-        if plan.decode:
-            self._decode_layout(meta, plan)
-        self.cache.reserve_gather(max([s.blocks.numel() for s in meta.segments] + [c.blocks.numel() for c in chunks]))
+        self._host_np[:ROWS + 1, :total] = (ids, pos, rows)
+        if kernel:
+            np.add(self._host_np[POSITIONS, :total], 1, out=self._host_np[LENGTHS, :total])
+            self._stage_tables(decode + [seq for seq, _ in plan.prefill])
+        if graph_rows is not None and graph_rows > nd:
+            self._pad(nd, graph_rows)
+        self._upload(graph_rows or nd + len(plan.prefill))
         sampled = plan.sampled
         with torch.inference_mode():
-            logits = self.decoder(ids_t, pos_t, long_tensor(keep or [total - 1], self.device), meta)
+            if graph_rows is not None:
+                normed = self.graphs.replay(graph_rows)
+                logits = self.decoder.logits(normed if graph_rows == nd else normed[:nd])
+            else:
+                ids_t, pos_t, rows_t = self._dev[IDS, :total], self._dev[POSITIONS, :total], self._dev[ROWS, :total]
+                meta = StepMeta(cache=self.cache, write_rows=rows_t, write_pos=pos_t, num_decode=nd,
+                                groups=self.groups, dtype=self.dtype, prefills=chunks)
+                if kernel:
+                    meta.block_tables = self._dev_table[: nd + len(plan.prefill)]
+                    meta.table_rows, meta.token_lengths = self._dev[TABLE_ROWS, :total], self._dev[LENGTHS, :total]
+                elif nd:
+                    self._decode_layout(meta, plan)
+                self.cache.reserve_gather(max([s.blocks.numel() for s in meta.segments]
+                                              + [c.blocks.numel() for c in chunks], default=0))
+                keep_t = None if len(keep) == total else long_tensor(keep or [total - 1], self.device)
+                logits = self.decoder(ids_t, pos_t, keep_t, meta)
             if not sampled:
                 return []
             masked = [row for row, s in enumerate(sampled) if s.ignore_eos]
@@ -77,6 +126,39 @@ class ModelRunner:
             temperature, top_k, top_p, generators = zip(*[s.sampling for s in sampled])
             tokens = sample(logits, temperature, top_k, top_p, generators, self.shared_generator)
         return tokens.tolist()
+
+    def _stage_tables(self, seqs) -> None:
+        """Request r's block table into row r of the host table (one vectorized write; the
+        entries past a request's own blocks are stale and never read: the kernel stops at each
+        token's length)."""
+        counts = np.fromiter((len(seq.blocks) for seq in seqs), dtype=np.int64, count=len(seqs))
+        flat = np.fromiter(chain.from_iterable(seq.blocks for seq in seqs), dtype=np.int32, count=int(counts.sum()))
+        row_of = np.repeat(self._arange[: len(seqs)], counts)
+        starts = np.cumsum(counts) - counts
+        self._host_table_np[row_of, np.arange(flat.size) - np.repeat(starts, counts)] = flat
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows [start, end) of a graph step that no request owns: token 0 at position 0, written
+        to and read from the scratch block (length 1), so they touch no request's KV."""
+        scratch = self.cache.scratch_block
+        self._host_np[:TABLE_ROWS, start:end] = ((0,), (0,), (scratch * self.cache.block_size,), (1,))
+        self._host_np[TABLE_ROWS, start:end] = self._arange[start:end]
+        self._host_table_np[start:end, 0] = scratch
+
+    def _upload(self, table_rows: int) -> None:
+        """Staged inputs to the device: the whole small index buffer (one contiguous copy) and the
+        block-table rows in use."""
+        if self._dev is self._host:
+            return
+        self._dev.copy_(self._host, non_blocking=True)
+        if self.paged_kernel and table_rows:
+            self._dev_table[:table_rows].copy_(self._host_table[:table_rows], non_blocking=True)
+
+    def _graph_meta(self, rows: int) -> StepMeta:
+        """A decode-only step of `rows` rows over the device staging buffers (what a graph captures)."""
+        return StepMeta(cache=self.cache, write_rows=self._dev[ROWS, :rows], write_pos=self._dev[POSITIONS, :rows],
+                        num_decode=rows, groups=self.groups, dtype=self.dtype, block_tables=self._dev_table[:rows],
+                        table_rows=self._dev[TABLE_ROWS, :rows], token_lengths=self._dev[LENGTHS, :rows])
 
     def _decode_layout(self, meta: StepMeta, plan: StepPlan) -> None:
         """Decode rows in plan order (shortest context first), cut into segments; each segment's
