@@ -166,6 +166,35 @@ def check_graphs_bf16() -> None:
     print(f"engine bf16: graphs on and off equal on {same}/{len(prompts)} requests")
 
 
+def check_kv_sizing() -> None:
+    """CUDA: by default the KV pool is MAX_BATCH x MAX_SEQ_LEN capped by a share of the free GPU
+    memory; an explicit size that does not fit is refused at start-up with the sizes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from worker.engine import Engine, EngineConfig
+    from worker.engine.config import free_device_memory
+    from worker.engine.kv_cache import bytes_per_token
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval().to("cuda")
+    per_token = bytes_per_token(2, 2, 16, torch.float32)
+    share = free_device_memory(torch.device("cuda")) * 0.001
+    tok = type("Tok", (), {"eos_token_id": 2, "decode": lambda self, ids, **_: ""})()
+    wants = int(share / per_token) * 4   # 4x what 0.1% of the free memory holds
+    engine = Engine(model, tok, EngineConfig(max_batch=4, max_seq_len=wants // 4, device="cuda", dtype=torch.float32,
+                                             kv_memory_fraction=0.001, cuda_graphs=False))
+    assert share / per_token * 0.9 < engine.kv_tokens_total <= share / per_token * 1.1   # free memory moves a little
+    del engine
+    try:
+        Engine(model, tok, EngineConfig(max_batch=4, max_seq_len=64, kv_cache_tokens=wants, device="cuda",
+                                        dtype=torch.float32, kv_memory_fraction=0.001))
+    except ValueError as exc:
+        assert "KV_CACHE_TOKENS" in str(exc), exc
+    else:
+        raise AssertionError("an explicit KV pool larger than the GPU share was accepted")
+    print(f"kv sizing: default capped at {share / 2**30:.2f} GiB, explicit oversize refused")
+
+
 def main() -> None:
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,6 +208,7 @@ def main() -> None:
     check_engine(device)
     if device == "cuda":
         check_graphs_bf16()
+        check_kv_sizing()
     print("paged attention checks passed")
 
 

@@ -22,6 +22,7 @@ def test_paged_attention_on_cuda():
     checks.check_kernel("cuda", torch.bfloat16)
     checks.check_engine("cuda")
     checks.check_graphs_bf16()
+    checks.check_kv_sizing()
 
 
 def test_paged_attention_in_triton_interpreter():
