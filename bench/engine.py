@@ -408,7 +408,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0, help="mixed arrivals per second (Poisson)")
     ap.add_argument("--static-wait", type=float, default=0.5, help="static batcher's max wait to fill a batch (s)")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="0 = the engine's default for the device "
-                                                                "(256 on CPU, 2048 on CUDA)")
+                                                                "(256 on CPU, 8192 on CUDA)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="uniform workload: runs of the quick methods (static, engine); median reported")
     ap.add_argument("--threads", type=int, default=0)

@@ -72,7 +72,7 @@ class Settings(BaseSettings):
                                                 "(captured at start-up for a ladder of batch sizes)")
     kv_block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the paging unit)")
     prefill_chunk: int = Field(0, ge=0, description="prompt tokens processed per step (chunked prefill); "
-                                                    "0 = 256 on CPU, 2048 on CUDA")
+                                                    "0 = 256 on CPU, 8192 on CUDA")
     lane_aging_steps: int = Field(256, description="a batch request that waited this many engine steps is served "
                                                    "as interactive (batch work always progresses)")
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch default")

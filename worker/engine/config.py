@@ -31,8 +31,9 @@ def default_prefill_chunk(device: str) -> int:
     """Prompt tokens a step takes when PREFILL_CHUNK is 0. On a CPU a step's time grows with its
     tokens, so a small chunk keeps running streams' inter-token gap short; on a GPU a step of a
     few thousand tokens costs little more than a decode step (the host's per-step work dominates
-    a small model), so a large chunk cuts time to first token."""
-    return 2048 if device.startswith("cuda") else 256
+    a small model), so a large chunk cuts time to first token (H100, SmolLM2 shape, 256 prompts of
+    128 tokens at once: 8192 gave 1.2-1.4x the tokens/s of 2048 and a third of the TTFT; RESULTS)."""
+    return 8192 if device.startswith("cuda") else 256
 
 
 @dataclass
