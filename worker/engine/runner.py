@@ -59,6 +59,9 @@ class ModelRunner:
             self._host_table_np = self._host_table.numpy()
             self._dev_table = (self._host_table if device.type == "cpu"
                                else torch.zeros(max_batch, width, dtype=torch.int32, device=device))
+        # set when a non-blocking upload is in flight: the host must not rewrite the pinned
+        # staging until the copy has read it (a step that samples nothing never syncs otherwise)
+        self._upload_done: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.paged_kernel and device.type == "cuda":
             self._pad(0, max_batch)
@@ -73,6 +76,8 @@ class ModelRunner:
         nd = len(decode)
         graph_rows = self.graphs.size_for(nd) if self.graphs is not None and nd and not plan.prefill else None
         kernel = self.paged_kernel
+        if self._upload_done is not None:
+            self._upload_done.synchronize()   # done long ago in practice: a query, not a wait
         pos = [seq.computed for seq in decode]
         ids = [seq.tokens[p] for seq, p in zip(decode, pos)]
         rows = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(decode, pos)]
@@ -153,6 +158,9 @@ class ModelRunner:
         self._dev.copy_(self._host, non_blocking=True)
         if self.paged_kernel and table_rows:
             self._dev_table[:table_rows].copy_(self._host_table[:table_rows], non_blocking=True)
+        if self._upload_done is None:
+            self._upload_done = torch.cuda.Event()
+        self._upload_done.record()
 
     def _graph_meta(self, rows: int) -> StepMeta:
         """A decode-only step of `rows` rows over the device staging buffers (what a graph captures)."""
