@@ -131,3 +131,31 @@ def test_a_prompt_chunk_shrinks_to_what_the_pool_holds():
     sched.prefill_chunk = 16            # a bigger chunk than the 2 free blocks hold
     plan = sched.schedule()
     assert plan.prefill == [(seq, 8)] and len(seq.blocks) == 3 and sched.cache.num_free == 0
+
+
+def test_running_requests_hold_distinct_table_slots_freed_on_finish_and_preemption():
+    """Each running request owns one block-table row of the runner (`slot`) while it runs; the
+    row and its staged-block count go back when its blocks do (finish, cancel, preemption), and a
+    request admitted later reuses it from scratch."""
+    sched = _scheduler(rows=3, blocks=12, block_size=4, chunk=64)
+    seqs = [_seq(8 + i, max_tokens=40) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    _advance(sched.schedule())
+    running = sched.running
+    assert len(running) == 3 and sorted(s.slot for s in running) == [0, 1, 2] and seqs[3].slot == -1
+    done = running[0]
+    done.staged_blocks = len(done.blocks)   # as the runner would after staging
+    freed = done.slot
+    sched.remove(done)
+    assert done.slot == -1 and done.staged_blocks == 0
+    _advance(sched.schedule())
+    assert seqs[3] in sched.running and seqs[3].slot == freed and seqs[3].staged_blocks == 0
+    for _ in range(40):   # decode until the 12-block pool runs out and someone is preempted
+        plan = sched.schedule()
+        for victim in plan.preempted:
+            assert victim.slot == -1 and victim.staged_blocks == 0 and victim in sched.waiting
+        _advance(plan)
+        slots = [s.slot for s in sched.running]
+        assert -1 not in slots and len(set(slots)) == len(slots)
+    assert sched.preemptions > 0

@@ -15,8 +15,6 @@ length and prompt chunks attend one by one (`attention.py`).
 
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
 import torch
 
@@ -49,23 +47,28 @@ class ModelRunner:
         self._host = torch.zeros(5, max_tokens, dtype=torch.long, pin_memory=pin)
         self._host_np = self._host.numpy()   # the same memory, filled from lists at numpy's speed
         self._dev = self._host if device.type == "cpu" else torch.zeros(5, max_tokens, dtype=torch.long, device=device)
-        self._arange = np.arange(max_tokens)
-        # the step's block tables (a row per request) for the paged kernel, staged the same way
+        # Block tables for the paged kernel: row `seq.slot` of each running request (the
+        # scheduler hands slots out), kept across steps so a step writes only blocks added since
+        # the last one, and uploaded whole when one changed; the last row holds the scratch
+        # block, for the padding rows of a graph step.
         self.paged_kernel = paged_attention.available(device)
         self._host_table = self._dev_table = None
+        self._pad_row = max_batch
+        self._table_dirty = False
         if self.paged_kernel:
             width = blocks_for(max_positions, cache.block_size)
-            self._host_table = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=pin)
+            self._host_table = torch.zeros(max_batch + 1, width, dtype=torch.int32, pin_memory=pin)
             self._host_table_np = self._host_table.numpy()
+            self._host_table_np[self._pad_row, 0] = cache.scratch_block
             self._dev_table = (self._host_table if device.type == "cpu"
-                               else torch.zeros(max_batch, width, dtype=torch.int32, device=device))
+                               else self._host_table.to(device))
         # set when a non-blocking upload is in flight: the host must not rewrite the pinned
         # staging until the copy has read it (a step that samples nothing never syncs otherwise)
         self._upload_done: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.paged_kernel and device.type == "cuda":
             self._pad(0, max_batch)
-            self._upload(max_batch)
+            self._upload()
             self.graphs = DecodeGraphs(self.decoder, self._dev[IDS], self._dev[POSITIONS], self._graph_meta,
                                        capture_sizes(max_batch))
 
@@ -84,11 +87,11 @@ class ModelRunner:
         keep = list(range(nd))
         chunks = []
         if kernel:
-            self._host_np[TABLE_ROWS, :nd] = self._arange[:nd]   # decode row i reads table i
-        for index, (seq, n) in enumerate(plan.prefill):
+            self._host_np[TABLE_ROWS, :nd] = [seq.slot for seq in decode]
+        for seq, n in plan.prefill:
             start, blocks = seq.computed, seq.blocks
-            if kernel:   # the chunk's tokens read their request's table, after the decode rows'
-                self._host_np[TABLE_ROWS, len(ids) : len(ids) + n] = nd + index
+            if kernel:   # the chunk's tokens read their request's table row
+                self._host_np[TABLE_ROWS, len(ids) : len(ids) + n] = seq.slot
             else:
                 chunks.append(PrefillChunk(start, n, long_tensor(blocks[: blocks_for(start + n, bs)], self.device)))
             ids.extend(seq.tokens[start : start + n])
@@ -100,10 +103,11 @@ class ModelRunner:
         self._host_np[:ROWS + 1, :total] = (ids, pos, rows)
         if kernel:
             np.add(self._host_np[POSITIONS, :total], 1, out=self._host_np[LENGTHS, :total])
-            self._stage_tables(decode + [seq for seq, _ in plan.prefill])
+            self._stage_tables(decode)
+            self._stage_tables(seq for seq, _ in plan.prefill)
         if graph_rows is not None and graph_rows > nd:
             self._pad(nd, graph_rows)
-        self._upload(graph_rows or nd + len(plan.prefill))
+        self._upload()
         sampled = plan.sampled
         with torch.inference_mode():
             if graph_rows is not None:
@@ -114,7 +118,7 @@ class ModelRunner:
                 meta = StepMeta(cache=self.cache, write_rows=rows_t, write_pos=pos_t, num_decode=nd,
                                 groups=self.groups, dtype=self.dtype, prefills=chunks)
                 if kernel:
-                    meta.block_tables = self._dev_table[: nd + len(plan.prefill)]
+                    meta.block_tables = self._dev_table
                     meta.table_rows, meta.token_lengths = self._dev[TABLE_ROWS, :total], self._dev[LENGTHS, :total]
                 elif nd:
                     self._decode_layout(meta, plan)
@@ -133,31 +137,32 @@ class ModelRunner:
         return tokens.tolist()
 
     def _stage_tables(self, seqs) -> None:
-        """Request r's block table into row r of the host table (one vectorized write; the
-        entries past a request's own blocks are stale and never read: the kernel stops at each
-        token's length)."""
-        counts = np.fromiter((len(seq.blocks) for seq in seqs), dtype=np.int64, count=len(seqs))
-        flat = np.fromiter(chain.from_iterable(seq.blocks for seq in seqs), dtype=np.int32, count=int(counts.sum()))
-        row_of = np.repeat(self._arange[: len(seqs)], counts)
-        starts = np.cumsum(counts) - counts
-        self._host_table_np[row_of, np.arange(flat.size) - np.repeat(starts, counts)] = flat
+        """Blocks the requests took since they were last staged, into their table rows (a decode
+        row takes a block every `block_size` steps; entries past a request's own blocks are
+        stale and never read: the kernel stops at each token's length)."""
+        table = self._host_table_np
+        for seq in seqs:
+            staged, blocks = seq.staged_blocks, seq.blocks
+            if len(blocks) > staged:
+                table[seq.slot, staged : len(blocks)] = blocks[staged:]
+                seq.staged_blocks = len(blocks)
+                self._table_dirty = True
 
     def _pad(self, start: int, end: int) -> None:
         """Rows [start, end) of a graph step that no request owns: token 0 at position 0, written
         to and read from the scratch block (length 1), so they touch no request's KV."""
         scratch = self.cache.scratch_block
-        self._host_np[:TABLE_ROWS, start:end] = ((0,), (0,), (scratch * self.cache.block_size,), (1,))
-        self._host_np[TABLE_ROWS, start:end] = self._arange[start:end]
-        self._host_table_np[start:end, 0] = scratch
+        self._host_np[:, start:end] = ((0,), (0,), (scratch * self.cache.block_size,), (1,), (self._pad_row,))
 
-    def _upload(self, table_rows: int) -> None:
-        """Staged inputs to the device: the whole small index buffer (one contiguous copy) and the
-        block-table rows in use."""
+    def _upload(self) -> None:
+        """Staged inputs to the device: the whole small index buffer (one contiguous copy) and,
+        when a row changed, the block tables (one contiguous copy)."""
         if self._dev is self._host:
             return
         self._dev.copy_(self._host, non_blocking=True)
-        if self.paged_kernel and table_rows:
-            self._dev_table[:table_rows].copy_(self._host_table[:table_rows], non_blocking=True)
+        if self._table_dirty:
+            self._dev_table.copy_(self._host_table, non_blocking=True)
+            self._table_dirty = False
         if self._upload_done is None:
             self._upload_done = torch.cuda.Event()
         self._upload_done.record()
@@ -165,7 +170,7 @@ class ModelRunner:
     def _graph_meta(self, rows: int) -> StepMeta:
         """A decode-only step of `rows` rows over the device staging buffers (what a graph captures)."""
         return StepMeta(cache=self.cache, write_rows=self._dev[ROWS, :rows], write_pos=self._dev[POSITIONS, :rows],
-                        num_decode=rows, groups=self.groups, dtype=self.dtype, block_tables=self._dev_table[:rows],
+                        num_decode=rows, groups=self.groups, dtype=self.dtype, block_tables=self._dev_table,
                         table_rows=self._dev[TABLE_ROWS, :rows], token_lengths=self._dev[LENGTHS, :rows])
 
     def _decode_layout(self, meta: StepMeta, plan: StepPlan) -> None:

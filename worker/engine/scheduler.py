@@ -60,6 +60,7 @@ class Scheduler:
         self.watermark = cache.num_blocks // 100
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._free_slots = list(range(max_running - 1, -1, -1))   # block-table rows (Sequence.slot)
         self.preemptions = 0    # total, for metrics
 
     def _priority(self, seq: Sequence) -> tuple[int, int]:
@@ -144,6 +145,9 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.cache.release(seq.blocks)
         seq.blocks = []
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+        seq.slot, seq.staged_blocks = -1, 0
 
     def _admit(self) -> None:
         self.waiting.sort(key=self._priority)
@@ -156,4 +160,5 @@ class Scheduler:
             promised += first_chunk
             self.waiting.pop(0)
             seq.starved = 0
+            seq.slot = self._free_slots.pop()
             self.running.append(seq)
