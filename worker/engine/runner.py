@@ -1,13 +1,15 @@
 """Executing a `StepPlan`: pack its tokens into one sequence, run the decoder once, sample.
 
 The runner owns the model call and the per-step index tensors; it never changes request
-state (the engine does that from the sampled tokens), so a failed forward pass leaves every
-request as it was. Input ids, positions, the KV pool rows each token writes and the decode rows'
+state (the engine does that from the sampled tokens; the runner only records in
+`Sequence.staged_blocks` which blocks its table already holds), so a failed forward pass leaves
+every request as it was. Input ids, positions, the KV pool rows each token writes and the
 attention inputs are staged in one host buffer allocated once (`max_batch + prefill_chunk`
 tokens) and copied to the device in one transfer (pinned and non-blocking on CUDA).
 
 On CUDA (with Triton) every token attends through the paged kernel (`paged_attention.py`), fed
-the step's block tables staged the same way, and a step that only decodes replays a captured
+block tables kept per running request (row `Sequence.slot`, only new blocks written each step),
+and a step that only decodes replays a captured
 CUDA graph (`cuda_graphs.py`) of the smallest captured batch size that holds it, its extra rows
 padded onto the KV cache's scratch block. Elsewhere decode rows are cut into segments of similar
 length and prompt chunks attend one by one (`attention.py`).
