@@ -83,63 +83,24 @@ def check_kernel(device, dtype) -> None:
         print(f"kernel {dtype} heads={heads}/{kv_heads} D={dim} block={block_size} window={window}: rel err {err:.2e}")
 
 
-def engine_tokens(model, device, dtype, cuda_graphs: bool, prompts, n: int, max_batch: int = 3) -> dict[str, list[int]]:
-    """Greedy tokens of each prompt through the engine: requests join one per step, prompts in
-    chunks of 8, so steps mix prefill chunks with decode rows and (with graphs) decode-only
-    steps of 1..max_batch rows replay graphs of padded sizes."""
-    from shared.streams import SamplingParams
-    from worker.engine import Engine, EngineConfig, EngineRequest
-
-    class Tok:
-        eos_token_id = 2
-
-        def decode(self, ids, **_):
-            return " ".join(str(i) for i in ids)
-
-    engine = Engine(model, Tok(), EngineConfig(max_batch=max_batch, max_seq_len=128, prefill_chunk=8, device=device,
-                                               dtype=dtype, cuda_graphs=cuda_graphs))
-    engine.eos_ids = set()
-    outs: dict[str, list[int]] = {}
-    step = 0
-    while step < len(prompts) or engine.has_work:
-        if step < len(prompts):
-            engine.add(EngineRequest(f"r{step}", prompts[step], SamplingParams(max_tokens=n, temperature=0.0)))
-        for o in engine.step():
-            assert o.finish_reason in (None, "length"), o
-            outs.setdefault(o.rid, []).extend(o.token_ids)
-        step += 1
-    return outs, engine
-
-
 def check_engine(device) -> None:
-    """On the kernel path, fp32: every family's greedy tokens equal `generate` (windows
-    included); on CUDA, with and without graphs."""
+    """On the kernel path, fp32: every family with its own attention quirks (GQA, windows, q/k
+    norms) gives `generate`'s greedy tokens through the engine, 3 rows with a 4th request waiting
+    for a free row; on CUDA, with graphs off and on (decode-only steps of 1-3 rows replay padded
+    graphs)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    families = {
-        "llama": lambda: LlamaForCausalLM(LlamaConfig(**common)),
-        "qwen2-window": lambda: Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, sliding_window=8,
-                                                             max_window_layers=1)),
-        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)),
-        "mistral-window": lambda: MistralForCausalLM(MistralConfig(**common, sliding_window=8)),
-    }
-    prompts = [[1, 17, 99, 3, 250, 41, 7, 300, 12, 5, 77, 401, 9, 66, 123, 8, 4, 200, 33, 11, 90],
-               [1, 5], [1, 400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410], [1, 9, 9, 9]]
+    from tests.engine_families import FAMILIES, PROMPTS, engine_tokens, reference
+    prompts = PROMPTS + [[1, 9, 9, 9]]
     n = 24
     graph_modes = (False, True) if device == "cuda" else (False,)
-    for name, build in families.items():
+    for name in ("llama", "qwen2-window", "qwen3", "mistral-window"):
         torch.manual_seed(0)
-        model = build().eval().to(device)
-        with torch.inference_mode():
-            refs = [model.generate(torch.tensor([p], device=device), max_new_tokens=n, do_sample=False, pad_token_id=0,
-                                   eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+        model = FAMILIES[name]().eval().to(device)
+        refs = [reference(model, p, n) for p in prompts]
         model.generation_config.eos_token_id = None
         for graphs in graph_modes:
-            outs, engine = engine_tokens(model, device, torch.float32, graphs, prompts, n)
+            outs, engine = engine_tokens(model, prompts, n, max_batch=3, device=device, dtype=torch.float32,
+                                         cuda_graphs=graphs)
             assert engine.runner.paged_kernel
             assert (engine.runner.graphs is not None) == graphs
             for i, ref in enumerate(refs):
@@ -151,6 +112,7 @@ def check_graphs_bf16() -> None:
     """CUDA, bf16 (the GPU default): a graph replay computes what the eager step computes, so
     graphs on and off give the same greedy tokens on a model of SmolLM2's layout."""
     import torch
+    from tests.engine_families import engine_tokens
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
@@ -158,8 +120,9 @@ def check_graphs_bf16() -> None:
                                          bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval().to("cuda", torch.bfloat16)
     model.generation_config.eos_token_id = None
     prompts = [[1, 5 + i, 70 + 3 * i, 9] * (1 + i % 5) for i in range(12)]
-    eager, _ = engine_tokens(model, "cuda", torch.bfloat16, False, prompts, 40, max_batch=12)
-    graphed, engine = engine_tokens(model, "cuda", torch.bfloat16, True, prompts, 40, max_batch=12)
+    eager, _ = engine_tokens(model, prompts, 40, max_batch=12, device="cuda", dtype=torch.bfloat16, cuda_graphs=False)
+    graphed, engine = engine_tokens(model, prompts, 40, max_batch=12, device="cuda", dtype=torch.bfloat16,
+                                    cuda_graphs=True)
     assert engine.runner.graphs is not None and engine.runner.graphs.sizes == [1, 2, 4, 8, 12]
     same = sum(eager[k] == graphed[k] for k in eager)
     assert same == len(prompts), f"{same}/{len(prompts)} requests equal"
@@ -170,16 +133,16 @@ def check_kv_sizing() -> None:
     """CUDA: by default the KV pool is MAX_BATCH x MAX_SEQ_LEN capped by a share of the free GPU
     memory; an explicit size that does not fit is refused at start-up with the sizes."""
     import torch
+    from tests.engine_families import Tok
     from transformers import LlamaConfig, LlamaForCausalLM
     from worker.engine import Engine, EngineConfig
-    from worker.engine.config import free_device_memory
-    from worker.engine.kv_cache import bytes_per_token
+    from worker.engine.kv_cache import bytes_per_token, free_device_memory
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)).eval().to("cuda")
     per_token = bytes_per_token(2, 2, 16, torch.float32)
     share = free_device_memory(torch.device("cuda")) * 0.001
-    tok = type("Tok", (), {"eos_token_id": 2, "decode": lambda self, ids, **_: ""})()
+    tok = Tok()
     wants = int(share / per_token) * 4   # 4x what 0.1% of the free memory holds
     engine = Engine(model, tok, EngineConfig(max_batch=4, max_seq_len=wants // 4, device="cuda", dtype=torch.float32,
                                              kv_memory_fraction=0.001, cuda_graphs=False))
