@@ -120,14 +120,14 @@ def attend(meta: StepMeta, layer: int, q: torch.Tensor, k: torch.Tensor, v: torc
     cache = meta.cache
     cache.keys[layer].index_copy_(0, meta.write_rows, k)
     cache.values[layer].index_copy_(0, meta.write_rows, v)
+    if meta.block_tables is not None:
+        return paged_attention(q, cache.keys[layer], cache.values[layer], meta.block_tables, meta.table_rows,
+                               meta.token_lengths, scaling, window, cache.block_size)
     k_blocks, v_blocks = cache.key_blocks[layer], cache.value_blocks[layer]
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     groups = heads // kv_heads
     parts = []
-    if meta.block_tables is not None:
-        return paged_attention(q, cache.keys[layer], cache.values[layer], meta.block_tables, meta.table_rows,
-                               meta.token_lengths, scaling, window, cache.block_size)
     if meta.num_decode:
         nd = meta.num_decode
         q_rows = (q if nd == q.shape[0] else q[:nd]).reshape(nd, kv_heads, groups, head_dim)

@@ -21,9 +21,9 @@ import torch
 
 from shared.errors import ErrorCode
 from worker.engine import attention
-from worker.engine.config import EngineConfig, kv_blocks
+from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
-from worker.engine.kv_cache import PagedKVCache, model_kv_shape
+from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.model_support import check_supported
 from worker.engine.runner import ModelRunner
 from worker.engine.sampling import make_generator, skip

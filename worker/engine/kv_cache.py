@@ -16,8 +16,12 @@ ascending order and the pool's used part compact.
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker.engine.config import EngineConfig
 
 
 def model_kv_shape(model_config) -> tuple[int, int, int]:
@@ -36,6 +40,32 @@ def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes a new allocation on `device` can take: the driver's free memory plus what torch's
+    caching allocator holds but does not use (an engine built after another one was dropped)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def kv_blocks(config: "EngineConfig", layers: int, kv_heads: int, head_dim: int) -> int:
+    """KV blocks to allocate. On CUDA the pool must also fit the GPU: by default it is
+    `config.num_blocks` capped by `kv_memory_fraction` of the free memory (the rest is left for
+    activations, CUDA graphs and the sampler); an explicit `kv_cache_tokens` that does not fit is
+    an error at start-up rather than an out-of-memory later."""
+    blocks = config.num_blocks
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return blocks
+    block_bytes = bytes_per_token(layers, kv_heads, head_dim, config.dtype) * config.kv_block_size
+    fits = int(free_device_memory(device) * config.kv_memory_fraction) // block_bytes - 1   # - the scratch block
+    if config.kv_cache_tokens and blocks > fits:
+        raise ValueError(f"KV_CACHE_TOKENS={config.kv_cache_tokens} needs {blocks * block_bytes / 2**30:.1f} GiB; "
+                         f"{config.kv_memory_fraction:.0%} of the free GPU memory holds {fits * config.kv_block_size} tokens")
+    if fits < 1:
+        raise ValueError("no GPU memory left for the KV cache")
+    return min(blocks, fits)
 
 
 class PagedKVCache:
