@@ -5,7 +5,8 @@ alone (CUDA events around back-to-back replays) and the graphs' capture time at 
 
 Step time minus GPU time is what the host adds to every step; on a GPU with a small model that
 is the part left to overlap or cut. Requests are decode-only (prompts prefilled before timing),
-greedy, EOS masked, so every row decodes every timed step.
+greedy (or `--sampling chat`: temperature 0.7, top-p 0.9), EOS masked, so every row decodes every
+timed step.
 
 Each tree runs in its own subprocess (its own `worker` package); `--baseline-root` measures
 another checkout in the same run, and the table gives this tree's tokens/s over the baseline's:
@@ -31,6 +32,9 @@ if str(ROOT) not in sys.path:
 from bench.common import table, write_json  # noqa: E402
 
 
+SAMPLING = {"greedy": dict(temperature=0.0), "chat": dict(temperature=0.7, top_p=0.9)}
+
+
 def child(root: Path, args) -> list[dict]:
     """Runs in a subprocess with `root`'s packages first on sys.path."""
     sys.path.insert(0, str(root))
@@ -44,7 +48,12 @@ def child(root: Path, args) -> list[dict]:
     from worker.engine.config import resolve_dtype
 
     device = args.device
-    model, tok = random_model(args.random_weights, device, resolve_dtype("auto", device), args.tokenizer)
+    if args.random_weights:
+        model, tok = random_model(args.random_weights, device, resolve_dtype("auto", device), args.tokenizer)
+    else:   # the real SmolLM2-135M-Instruct from its GGUF: trained logits, as sampling meets them
+        from shared.config import Settings
+        from worker.engine import load_model
+        model, tok = load_model(Settings(model_path="", device=device, dtype="auto"))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -61,7 +70,7 @@ def child(root: Path, args) -> list[dict]:
             captured = getattr(engine.runner, "graphs", None)
             for i in range(rows):
                 engine.add(EngineRequest(str(i), [1 + (i * 7 + j) % 40000 for j in range(args.prompt)],
-                                         SamplingParams(max_tokens=args.steps + 32, temperature=0.0), ignore_eos=True))
+                                         SamplingParams(max_tokens=args.steps + 32, **SAMPLING[args.sampling]), ignore_eos=True))
             while engine.num_waiting or any(s.pending > 1 or s.computed == 0 for s in engine.scheduler.running):
                 engine.step()   # prefill
             for _ in range(3):
@@ -105,11 +114,14 @@ def child(root: Path, args) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--random-weights", default="smollm2-135m")
+    ap.add_argument("--random-weights", default="smollm2-135m", help='a shape from bench/engine.py, or "" for '
+                    "the real SmolLM2 GGUF (random weights' flat distributions send every top-p row to the "
+                    "sampler's full sort)")
     ap.add_argument("--tokenizer", default="", help="a saved tokenizer directory instead of SmolLM2's GGUF")
     ap.add_argument("--rows", default="1,64,256")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--sampling", default="greedy", choices=sorted(SAMPLING))
     ap.add_argument("--baseline-root", type=Path, default=None, help="another checkout, measured alongside")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -121,7 +133,7 @@ def main() -> None:
     for name, root in trees.items():
         argv = [sys.executable, __file__, "--child", str(root), "--device", args.device, "--random-weights",
                 args.random_weights, "--tokenizer", args.tokenizer, "--rows", args.rows, "--prompt", str(args.prompt),
-                "--steps", str(args.steps)]
+                "--steps", str(args.steps), "--sampling", args.sampling]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         runs[name] = json.loads(out.strip().splitlines()[-1])
         for row in runs[name]:

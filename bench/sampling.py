@@ -4,8 +4,11 @@ checkout's sampler in the same run.
 Sampling runs once per engine step on the logits of every row that produces a token; its cost
 is per row per step and does not shrink with a faster forward pass. Most chat traffic samples
 (temperature > 0, often top-p), while the throughput benchmarks decode greedily, so this measures
-it on its own: SmolLM2's vocabulary (49,152), random logits shaped like a model's (a few
-dominant tokens), alternating this tree's `sample` with the baseline's, median of `--repeat`.
+it on its own, on SmolLM2's real logits (`--logits smollm2`, the default: the model's next-token
+logits along sampled answers to a few chat prompts, so top-p meets the distributions a chat
+model really has) or on random ones (`--logits synthetic`: a normal tail plus 8 dominant tokens
+per row, flatter than a trained model's), timing this tree's `sample` and the baseline's on the
+same rows, median of `--repeat`.
 
     .venv/bin/python bench/sampling.py --baseline-root /tmp/base      # git worktree add /tmp/base <commit>
     .venv/bin/python bench/sampling.py --rows 1,16 --device cuda
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import table, write_json  # noqa: E402
@@ -34,6 +38,7 @@ MIXES = {  # name: (temperature, top_k, top_p, seeded)
     "default (t=1)": (1.0, 0, 1.0, False),
     "chat (t=0.7, top_p=0.9)": (0.7, 0, 0.9, False),
     "top_k=40 (t=0.8)": (0.8, 40, 1.0, False),
+    "creative (t=1, top_p=0.95)": (1.0, 0, 0.95, False),
     "seeded chat": (0.7, 0, 0.9, True),
 }
 
@@ -45,19 +50,56 @@ def load_sampler(root: Path):
     return module
 
 
-def time_call(module, logits: torch.Tensor, mix: tuple, repeat: int, device: str) -> float:
+def smollm2_logits(rows: int) -> torch.Tensor:
+    """`rows` next-token logit rows of SmolLM2-135M-Instruct (CPU, fp32) along answers sampled
+    at temperature 1 to a few chat prompts (distinct positions, several contexts)."""
+    from shared.config import Settings
+    from worker.engine import build_prompt_ids, load_model
+
+    model, tok = load_model(Settings(model_path="", device="cpu", dtype="float32"))
+    prompts = ["Write a short story about a dragon who loves tea.", "Why is the sky blue?",
+               "Give me ideas for a birthday party.", "Explain recursion to a child.",
+               "Write a poem about autumn leaves.", "What should I pack for a week in Japan?"]
+    torch.manual_seed(0)
+    per_prompt = -(-rows // len(prompts))
+    found = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = build_prompt_ids(tok, None, [{"role": "user", "content": prompt}])
+            out = model.generate(torch.tensor([ids]), max_new_tokens=per_prompt, min_new_tokens=per_prompt,
+                                 do_sample=True, temperature=1.0, top_p=0.95, pad_token_id=tok.eos_token_id)
+            found.append(model(out).logits[0, len(ids) - 1 : -1])
+    return torch.cat(found)[:rows].contiguous()
+
+
+def sampler_call(module, rows: int, mix: tuple, device: str):
+    """One step's sampling as the engine does it with `module`: with a per-slot table (written
+    once, outside the timing; each call gathers the step's rows by slot, as the runner does), or
+    with per-row lists for samplers from before the table."""
     temperature, top_k, top_p, seeded = mix
-    rows = logits.shape[0]
     shared = module.make_generator(0, device)
     gens = [module.make_generator(i, device) if seeded else None for i in range(rows)]
-    args = ([temperature] * rows, [top_k] * rows, [top_p] * rows, gens, shared)
-    module.sample(logits, *args)
+    if not hasattr(module, "SamplingTable"):
+        args = ([temperature] * rows, [top_k] * rows, [top_p] * rows, gens, shared)
+        return lambda logits: module.sample(logits, *args)
+    table = module.SamplingTable(rows, torch.device(device))
+    for r in range(rows):
+        table.write(r, None, temperature, top_k, top_p, False, gens[r])
+    table.upload()
+    slots = np.arange(rows)
+    slots_dev = torch.from_numpy(slots).to(device)
+    return lambda logits: module.sample(logits, table.rows(slots, slots_dev), shared)
+
+
+def time_call(module, logits: torch.Tensor, mix: tuple, repeat: int, device: str) -> float:
+    call = sampler_call(module, logits.shape[0], mix, device)
+    call(logits)
     times = []
     for _ in range(repeat):
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        module.sample(logits, *args).tolist()   # the engine reads the tokens back every step
+        call(logits).tolist()   # the engine reads the tokens back every step
         times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)
 
@@ -69,6 +111,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--logits", default="smollm2", choices=["smollm2", "synthetic"])
     ap.add_argument("--baseline-root", type=Path, default=None, help="another checkout; its sampler is timed alongside")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,12 +119,16 @@ def main() -> None:
     if args.baseline_root:
         trees.insert(0, ("baseline", load_sampler(args.baseline_root.resolve())))
     results = []
-    for rows in [int(r) for r in args.rows.split(",")]:
-        g = torch.Generator().manual_seed(rows)
-        # a model-like shape: a long tail plus a handful of strong candidates per row
-        logits = torch.randn(rows, args.vocab, generator=g) * 2
-        logits.scatter_add_(1, torch.randint(0, args.vocab, (rows, 8), generator=g), torch.full((rows, 8), 9.0))
-        logits = logits.to(args.device)
+    row_counts = [int(r) for r in args.rows.split(",")]
+    pool = smollm2_logits(max(row_counts)) if args.logits == "smollm2" else None
+    for rows in row_counts:
+        if pool is not None:
+            logits = pool[:rows].to(args.device)
+        else:
+            g = torch.Generator().manual_seed(rows)
+            logits = torch.randn(rows, args.vocab, generator=g) * 2
+            logits.scatter_add_(1, torch.randint(0, args.vocab, (rows, 8), generator=g), torch.full((rows, 8), 9.0))
+            logits = logits.to(args.device)
         for name, mix in MIXES.items():
             row = {"rows": rows, "params": name}
             for code, module in trees:

@@ -591,6 +591,33 @@ def test_ignore_eos_masks_eos_instead_of_emitting_it(model, tokenizer):
     assert outs["e"][-1].finish_reason == "length" and outs["e"][-1].completion_tokens == 10
 
 
+def test_a_reused_slot_samples_with_its_new_requests_parameters(model, tokenizer):
+    """Sampling parameters live per slot and are written when a request first samples there: with
+    one slot, each request in turn (greedy, seeded top-k, ignore_eos, a second seeded run with the
+    same id, as a failover continuation has) must sample under its own parameters, not the
+    previous holder's."""
+    prompt = ids(tokenizer, PROMPTS[0])
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=77)
+    alone, _ = run(Engine(model, tokenizer, EngineConfig(max_batch=1, max_seq_len=256)),
+                   {0: [EngineRequest("s", prompt, seeded)]})
+    ref = reference(model, prompt, 12)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, ref[2]]   # greedy ends at its 3rd token
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(max_batch=1, max_seq_len=256))
+        outs, _ = run(engine, {0: [EngineRequest("g", prompt, greedy(12)),
+                                   EngineRequest("s", prompt, seeded),
+                                   EngineRequest("f", prompt, greedy(12), ignore_eos=True)]})
+        assert tokens(outs["g"]) == ref[:3] and outs["g"][-1].finish_reason == "stop"
+        assert tokens(outs["s"]) == tokens(alone["s"]) != ref   # sampled under its own seed
+        f = tokens(outs["f"])
+        assert f[:2] == ref[:2] and f[2] != ref[2] and len(f) == 12   # greedy, its EOS masked
+        again, _ = run(engine, {0: [EngineRequest("s", prompt, seeded), EngineRequest("g2", prompt, greedy(2))]})
+        assert tokens(again["s"]) == tokens(alone["s"]) and tokens(again["g2"]) == ref[:2]
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
 def test_decode_segments_cut_off_one_long_row():
     from worker.engine.attention import decode_segments
     assert decode_segments([10] * 15 + [500]) == [(0, 15, 10), (15, 16, 500)]

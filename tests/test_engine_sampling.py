@@ -1,7 +1,8 @@
 """The sampler on its own: every row draws from exactly the distribution its parameters define
 (temperature, top-k, top-p, both), unseeded (inverse CDF) and seeded (race), whether top-k/top-p
-stay within the candidate tokens or fall back to sorting the vocabulary, in mixed batches;
-seeded rows do not depend on their batch nor on last-bit differences in their logits."""
+settle within the first candidate width, need a wider one or fall back to sorting the
+vocabulary, in mixed batches; seeded rows do not depend on their batch nor on last-bit
+differences in their logits; parameters come from per-slot rows written once."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import pytest
 import torch
 
 from worker.engine import sampling
-from worker.engine.sampling import make_generator, sample, skip
+from worker.engine.sampling import make_generator, row_params, sample, skip
 
 V = 64
 DRAWS = 40_000
+
+
+def draw(logits, temperature, top_k, top_p, generators, shared=None):
+    return sample(logits, row_params(temperature, top_k, top_p, generators, "cpu"), shared)
 
 
 def logits_row(seed: int = 0) -> torch.Tensor:
@@ -42,20 +47,20 @@ def empirical(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
     counts = torch.zeros(V, dtype=torch.float64)
     batch = logits[None].expand(rows, V).contiguous()
     for _ in range(DRAWS // rows):
-        ids = sample(batch, [temperature] * rows, [top_k] * rows, [top_p] * rows, gens, shared)
+        ids = draw(batch, [temperature] * rows, [top_k] * rows, [top_p] * rows, gens, shared)
         counts += torch.bincount(ids, minlength=V).double()
     return counts / counts.sum()
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
-@pytest.mark.parametrize("candidates", [sampling.CANDIDATES, 8], ids=["whole-vocab", "8-candidates"])
+@pytest.mark.parametrize("widths", [sampling.WIDTHS, (4, 8)], ids=["whole-vocab", "4-then-8-candidates"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),
                                                      (0.9, 12, 0.6), (2.0, 0, 0.97)])
-def test_each_row_draws_from_its_distribution(monkeypatch, candidates, temperature, top_k, top_p, seeded):
+def test_each_row_draws_from_its_distribution(monkeypatch, widths, temperature, top_k, top_p, seeded):
     """Total variation distance to the target below 0.03 over 40k draws; tokens outside the
-    kept set never appear. With 8 candidates, top-k 12 and top-p 0.97 at temperature 2 need
-    more than the candidates, so the full-sort fallback is exercised too."""
-    monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+    kept set never appear. With widths 4 then 8, top-p rows are settled at 4, 8 or by the full
+    sort (top-p 0.97 at temperature 2 needs more than 8), and top-k 12 widens the first width."""
+    monkeypatch.setattr(sampling, "WIDTHS", widths)
     logits = logits_row()
     want = expected(logits, temperature, top_k, top_p)
     got = empirical(logits, temperature, top_k, top_p, seeded=seeded)
@@ -66,7 +71,7 @@ def test_each_row_draws_from_its_distribution(monkeypatch, candidates, temperatu
 def test_a_flat_top_p_needs_the_fallback_and_gets_it(monkeypatch):
     """A flat distribution whose top-p set is larger than the candidates: tokens beyond the
     candidates are drawn (so the kept set was not cut at the candidates) and none outside it."""
-    monkeypatch.setattr(sampling, "CANDIDATES", 8)
+    monkeypatch.setattr(sampling, "WIDTHS", (4, 8))
     logits = torch.linspace(0, -0.5, V)   # nearly flat, sorted: token i is the i-th most likely
     want = expected(logits, 1.0, 0, 0.9)
     kept = int((want > 0).sum())
@@ -79,7 +84,7 @@ def test_a_flat_top_p_needs_the_fallback_and_gets_it(monkeypatch):
 
 def test_a_mixed_batch_keeps_every_row_to_its_own_parameters(monkeypatch):
     """Greedy, plain, top-k and top-p rows, unseeded and seeded, in one batch."""
-    monkeypatch.setattr(sampling, "CANDIDATES", 8)
+    monkeypatch.setattr(sampling, "WIDTHS", (4, 8))
     params = [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.5)] * 2
     rows = [logits_row(s) for s in range(len(params))]
     gens = [None] * 4 + [make_generator(s, "cpu") for s in range(4)]
@@ -87,7 +92,7 @@ def test_a_mixed_batch_keeps_every_row_to_its_own_parameters(monkeypatch):
     shared = make_generator(3, "cpu")
     batch = torch.stack(rows)
     for _ in range(3000):
-        ids = sample(batch, [p[0] for p in params], [p[1] for p in params], [p[2] for p in params],
+        ids = draw(batch, [p[0] for p in params], [p[1] for p in params], [p[2] for p in params],
                      gens, shared)
         for r, i in enumerate(ids.tolist()):
             counts[r][i] += 1
@@ -114,7 +119,7 @@ def test_a_seeded_row_does_not_depend_on_its_batch_and_skip_fast_forwards_it():
             batch[position] = row
             gens = [None] * batch_size
             gens[position] = gen
-            ids = sample(batch, [0.8] * batch_size, [0] * batch_size, [0.9] * batch_size, gens,
+            ids = draw(batch, [0.8] * batch_size, [0] * batch_size, [0.9] * batch_size, gens,
                          make_generator(None, "cpu"))
             out.append(int(ids[position]))
         return out
@@ -137,10 +142,47 @@ def test_a_seeded_row_ignores_last_bit_differences_in_its_logits(top_k, top_p):
         nudged = logits * (1 + 1e-6 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(99)))
         assert not torch.equal(logits.softmax(-1), nudged.softmax(-1))
         params = ([1.0] * rows, [top_k] * rows, [top_p] * rows)
-        seeded = [sample(x, *params, [make_generator(1000 * step + r, "cpu") for r in range(rows)])
+        seeded = [draw(x, *params, [make_generator(1000 * step + r, "cpu") for r in range(rows)])
                   for x in (logits, nudged)]
         assert torch.equal(seeded[0], seeded[1]), step
-        unseeded = [sample(x, *params, [None] * rows, make_generator(step, "cpu")) for x in (logits, nudged)]
+        unseeded = [draw(x, *params, [None] * rows, make_generator(step, "cpu")) for x in (logits, nudged)]
         moved += int((unseeded[0] != unseeded[1]).sum())
     if top_k == 0:   # over the whole vocabulary the running sum moves enough to change some draws
         assert moved > 0
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
+def test_only_the_rows_a_width_cannot_settle_go_wider(monkeypatch, seeded):
+    """One batch whose top-p sets need 3, 6 and ~50 tokens, with widths 4 then 8: all three
+    rows go through width 4, the two it cannot settle through 8, the flat one alone through the
+    sorted vocabulary; each still draws from its own distribution."""
+    monkeypatch.setattr(sampling, "WIDTHS", (4, 8))
+    flat = torch.linspace(0, -0.5, V)
+    peaked = flat.clone()
+    peaked[:3] += 6.0
+    middle = flat.clone()
+    middle[:6] += 6.0
+    batch = torch.stack([peaked, middle, flat])
+    wants = [expected(row, 1.0, 0, 0.9) for row in batch]
+    assert [int((w > 0).sum()) for w in wants][:2] == [3, 6] and int((wants[2] > 0).sum()) > 40
+    seen = []
+    within = sampling._truncated_within
+    monkeypatch.setattr(sampling, "_truncated_within",
+                        lambda probs, k, p, width: seen.append((probs.shape[0], width)) or within(probs, k, p, width))
+    draw(batch, [1.0] * 3, [0] * 3, [0.9] * 3, [make_generator(1, "cpu") if seeded else None] * 3,
+         make_generator(2, "cpu"))
+    assert seen == [(3, 4), (2, 8), (1, V)]
+    monkeypatch.setattr(sampling, "_truncated_within", within)
+    reps = 3000
+    counts = torch.zeros(3, V, dtype=torch.float64)
+    big = batch.repeat(reps // 3, 1)
+    gens = [make_generator(s, "cpu") for s in range(big.shape[0])] if seeded else [None] * big.shape[0]
+    shared = make_generator(3, "cpu")
+    for _ in range(12):
+        ids = draw(big, [1.0] * big.shape[0], [0] * big.shape[0], [0.9] * big.shape[0], gens, shared)
+        for r in range(3):
+            counts[r] += torch.bincount(ids[r::3], minlength=V).double()
+    for r in range(3):
+        got = counts[r] / counts[r].sum()
+        assert got[wants[r] == 0].sum() == 0
+        assert 0.5 * (got - wants[r]).abs().sum() < 0.04

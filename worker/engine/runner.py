@@ -5,7 +5,10 @@ state (the engine does that from the sampled tokens; the runner only records in
 `Sequence.staged_blocks` which blocks its table already holds), so a failed forward pass leaves
 every request as it was. Input ids, positions, the KV pool rows each token writes and the
 attention inputs are staged in one host buffer allocated once (`max_batch + prefill_chunk`
-tokens) and copied to the device in one transfer (pinned and non-blocking on CUDA).
+tokens) and copied to the device in one transfer (pinned and non-blocking on CUDA). Sampling
+parameters are kept per slot (`sampling.SamplingTable`, written when a request first samples
+from its slot): a step stages only the sampled rows' slots and gathers their parameters on the
+device, with no per-row lists of temperatures or generators.
 
 On CUDA (with Triton) every token attends through the paged kernel (`paged_attention.py`), fed
 block tables kept per running request (row `Sequence.slot`, only new blocks written each step),
@@ -26,10 +29,10 @@ from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from worker.engine.decoder import Decoder
 from worker.engine.host_lists import long_tensor
 from worker.engine.kv_cache import PagedKVCache, blocks_for
-from worker.engine.sampling import sample
+from worker.engine.sampling import MASK_EOS, SamplingTable, sample
 from worker.engine.scheduler import StepPlan
 
-IDS, POSITIONS, ROWS, LENGTHS, TABLE_ROWS = range(5)   # rows of the staging buffers
+IDS, POSITIONS, ROWS, LENGTHS, TABLE_ROWS, SLOTS = range(6)   # rows of the staging buffers (SLOTS: sampled rows')
 
 
 class ModelRunner:
@@ -44,11 +47,13 @@ class ModelRunner:
         self.shared_generator.seed()
         self.eos_ids: set[int] = set()  # masked for requests with ignore_eos
         pin = device.type == "cuda"
-        # host staging: [ids, positions, pool rows, lengths, table rows] per token, copied to the
-        # device in one transfer
-        self._host = torch.zeros(5, max_tokens, dtype=torch.long, pin_memory=pin)
+        # host staging: [ids, positions, pool rows, lengths, table rows] per token and the slots of
+        # the sampled rows, copied to the device in one transfer
+        self._host = torch.zeros(6, max_tokens, dtype=torch.long, pin_memory=pin)
         self._host_np = self._host.numpy()   # the same memory, filled from lists at numpy's speed
-        self._dev = self._host if device.type == "cpu" else torch.zeros(5, max_tokens, dtype=torch.long, device=device)
+        self._dev = self._host if device.type == "cpu" else torch.zeros(6, max_tokens, dtype=torch.long, device=device)
+        self.sampling = SamplingTable(max_batch, device)   # per-slot sampling parameters
+        self._eos: tuple[frozenset, torch.Tensor] | None = None   # eos_ids as a device tensor
         # Block tables for the paged kernel: row `seq.slot` of each running request (the
         # scheduler hands slots out), kept across steps so a step writes only blocks added since
         # the last one, and uploaded whole when one changed; the last row holds the scratch
@@ -88,6 +93,10 @@ class ModelRunner:
         rows = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(decode, pos)]
         keep = list(range(nd))
         chunks = []
+        sampled = plan.sampled
+        ns = len(sampled)
+        self._host_np[SLOTS, :ns] = [seq.slot for seq in sampled]
+        self.sampling.admit(sampled)
         if kernel:
             self._host_np[TABLE_ROWS, :nd] = [seq.slot for seq in decode]
         for seq, n in plan.prefill:
@@ -110,7 +119,6 @@ class ModelRunner:
         if graph_rows is not None and graph_rows > nd:
             self._pad(nd, graph_rows)
         self._upload()
-        sampled = plan.sampled
         with torch.inference_mode():
             if graph_rows is not None:
                 normed = self.graphs.replay(graph_rows)
@@ -128,15 +136,20 @@ class ModelRunner:
                                               + [c.blocks.numel() for c in chunks], default=0))
                 keep_t = None if len(keep) == total else long_tensor(keep or [total - 1], self.device)
                 logits = self.decoder(ids_t, pos_t, keep_t, meta)
-            if not sampled:
+            if not ns:
                 return []
-            masked = [row for row, s in enumerate(sampled) if s.ignore_eos]
-            if masked and self.eos_ids:
-                rows_m = long_tensor(masked, self.device)[:, None]
-                logits[rows_m, long_tensor(sorted(self.eos_ids), self.device)[None, :]] = float("-inf")
-            temperature, top_k, top_p, generators = zip(*[s.sampling for s in sampled])
-            tokens = sample(logits, temperature, top_k, top_p, generators, self.shared_generator)
+            params = self.sampling.rows(self._host_np[SLOTS, :ns], self._dev[SLOTS, :ns])
+            if self.eos_ids and params.host[:, MASK_EOS].any():   # ignore_eos rows never sample EOS
+                eos = self._eos_tensor()
+                logits[:, eos] = logits[:, eos].masked_fill(params.dev[:, MASK_EOS, None] > 0, float("-inf"))
+            tokens = sample(logits, params, self.shared_generator)
         return tokens.tolist()
+
+    def _eos_tensor(self) -> torch.Tensor:
+        ids = frozenset(self.eos_ids)
+        if self._eos is None or self._eos[0] != ids:
+            self._eos = (ids, long_tensor(sorted(ids), self.device))
+        return self._eos[1]
 
     def _stage_tables(self, seqs) -> None:
         """Blocks the requests took since they were last staged, into their table rows (a decode
@@ -154,11 +167,12 @@ class ModelRunner:
         """Rows [start, end) of a graph step that no request owns: token 0 at position 0, written
         to and read from the scratch block (length 1), so they touch no request's KV."""
         scratch = self.cache.scratch_block
-        self._host_np[:, start:end] = ((0,), (0,), (scratch * self.cache.block_size,), (1,), (self._pad_row,))
+        self._host_np[:TABLE_ROWS + 1, start:end] = ((0,), (0,), (scratch * self.cache.block_size,), (1,), (self._pad_row,))
 
     def _upload(self) -> None:
         """Staged inputs to the device: the whole small index buffer (one contiguous copy) and,
         when a row changed, the block tables (one contiguous copy)."""
+        self.sampling.upload()
         if self._dev is self._host:
             return
         self._dev.copy_(self._host, non_blocking=True)

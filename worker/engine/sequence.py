@@ -43,7 +43,6 @@ class Sequence:
     max_tokens: int = field(init=False)
     skip_tokens: int = field(init=False)
     ignore_eos: bool = field(init=False)
-    sampling: tuple = field(init=False)        # (temperature, top_k, top_p, generator) for the sampler
 
     def __post_init__(self) -> None:
         req, params = self.req, self.req.params
@@ -54,7 +53,6 @@ class Sequence:
         self.max_tokens = params.max_tokens
         self.skip_tokens = req.skip_tokens
         self.ignore_eos = req.ignore_eos
-        self.sampling = (params.temperature, params.top_k, params.top_p, self.generator)
 
     @property
     def completion_tokens(self) -> int:
