@@ -71,8 +71,7 @@ class SamplingTable:
     SEEDED), written when a request first samples from its slot and kept on the device."""
 
     def __init__(self, slots: int, device: torch.device):
-        pin = device.type == "cuda"
-        self._host = torch.zeros(slots, 5, dtype=torch.float32, pin_memory=pin)
+        self._host = torch.zeros(slots, 5, dtype=torch.float32)
         self.host = self._host.numpy()
         self.dev = self._host if device.type == "cpu" else self._host.to(device)
         self.generators: list[torch.Generator | None] = [None] * slots
@@ -97,10 +96,10 @@ class SamplingTable:
                 self.write(seq.slot, seq, p.temperature, p.top_k, p.top_p, seq.ignore_eos, seq.generator)
 
     def upload(self) -> None:
-        """Changed rows to the device (non-blocking; the caller must not write the table again
-        before that copy has read it: the runner's upload event)."""
+        """The table to the device when a row changed: a plain blocking copy of a few KB, only
+        on steps that admitted a request, so the table can be rewritten right after."""
         if self._dirty and self.dev is not self._host:
-            self.dev.copy_(self._host, non_blocking=True)
+            self.dev.copy_(self._host)
         self._dirty = False
 
     def rows(self, slots: np.ndarray, slots_dev: torch.Tensor) -> RowParams:
