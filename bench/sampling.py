@@ -11,7 +11,8 @@ per row, flatter than a trained model's), timing this tree's `sample` and the ba
 same rows, median of `--repeat`.
 
     .venv/bin/python bench/sampling.py --baseline-root /tmp/base      # git worktree add /tmp/base <commit>
-    .venv/bin/python bench/sampling.py --rows 1,16 --device cuda
+    .venv/bin/python bench/sampling.py --save-logits .devcarry/logits.pt     # here, then on the GPU box:
+    python bench/sampling.py --device cuda --logits .devcarry/logits.pt --baseline-root /tmp/base
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--logits", default="smollm2", choices=["smollm2", "synthetic"])
+    ap.add_argument("--logits", default="smollm2",
+                    help="smollm2, synthetic, or a file written by --save-logits (a GPU machine without the GGUF)")
+    ap.add_argument("--save-logits", type=Path, default=None,
+                    help="write the SmolLM2 rows used (bf16, ~25 MB for 256 rows) to this file and exit")
     ap.add_argument("--baseline-root", type=Path, default=None, help="another checkout; its sampler is timed alongside")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,7 +124,17 @@ def main() -> None:
         trees.insert(0, ("baseline", load_sampler(args.baseline_root.resolve())))
     results = []
     row_counts = [int(r) for r in args.rows.split(",")]
-    pool = smollm2_logits(max(row_counts)) if args.logits == "smollm2" else None
+    if args.save_logits:
+        torch.save(smollm2_logits(max(row_counts)).bfloat16(), args.save_logits)
+        print("wrote", args.save_logits)
+        return
+    if args.logits == "smollm2":
+        pool = smollm2_logits(max(row_counts))
+    elif args.logits == "synthetic":
+        pool = None
+    else:
+        pool = torch.load(args.logits).float()
+        assert pool.shape[0] >= max(row_counts), f"{args.logits} holds {pool.shape[0]} rows"
     for rows in row_counts:
         if pool is not None:
             logits = pool[:rows].to(args.device)
