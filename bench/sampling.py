@@ -83,10 +83,7 @@ def sampler_call(module, rows: int, mix: tuple, device: str):
     if not hasattr(module, "SamplingTable"):
         args = ([temperature] * rows, [top_k] * rows, [top_p] * rows, gens, shared)
         return lambda logits: module.sample(logits, *args)
-    table = module.SamplingTable(rows, torch.device(device))
-    for r in range(rows):
-        table.write(r, None, temperature, top_k, top_p, False, gens[r])
-    table.upload()
+    table = module.SamplingTable.of([temperature] * rows, [top_k] * rows, [top_p] * rows, gens, device)
     slots = np.arange(rows)
     slots_dev = torch.from_numpy(slots).to(device)
     return lambda logits: module.sample(logits, table.rows(slots, slots_dev), shared)

@@ -97,8 +97,8 @@ class ModelRunner:
         ns = len(sampled)
         self._host_np[SLOTS, :ns] = [seq.slot for seq in sampled]
         self.sampling.admit(sampled)
-        if kernel:
-            self._host_np[TABLE_ROWS, :nd] = [seq.slot for seq in decode]
+        if kernel:   # decode rows are the first sampled rows: their table rows are their slots
+            self._host_np[TABLE_ROWS, :nd] = self._host_np[SLOTS, :nd]
         for seq, n in plan.prefill:
             start, blocks = seq.computed, seq.blocks
             if kernel:   # the chunk's tokens read their request's table row

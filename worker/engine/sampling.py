@@ -87,6 +87,16 @@ class SamplingTable:
         self._owners[slot] = owner
         self._dirty = True
 
+    @classmethod
+    def of(cls, temperature, top_k, top_p, generators, device) -> "SamplingTable":
+        """A table whose slot r holds row r of the lists (no owners, ignore_eos off), uploaded:
+        for callers without requests in slots (tests, benchmarks)."""
+        table = cls(len(temperature), torch.device(device))
+        for r in range(len(temperature)):
+            table.write(r, None, temperature[r], top_k[r], top_p[r], False, generators[r])
+        table.upload()
+        return table
+
     def admit(self, seqs) -> None:
         """Rows for the requests that sample from a slot not yet written for them."""
         owners = self._owners
@@ -112,13 +122,8 @@ class SamplingTable:
 
 def row_params(temperature, top_k, top_p, generators, device) -> RowParams:
     """RowParams from per-row lists, for callers without slots (tests, benchmarks)."""
-    rows = len(temperature)
-    table = SamplingTable(rows, torch.device(device))
-    for r in range(rows):
-        table.write(r, None, temperature[r], top_k[r], top_p[r], False, generators[r])
-    table.upload()
-    slots = np.arange(rows)
-    return table.rows(slots, torch.from_numpy(slots).to(device))
+    slots = np.arange(len(temperature))
+    return SamplingTable.of(temperature, top_k, top_p, generators, device).rows(slots, torch.from_numpy(slots).to(device))
 
 
 def sample(logits: torch.Tensor, rows: RowParams, shared: torch.Generator | None = None) -> torch.Tensor:
@@ -139,7 +144,7 @@ def sample(logits: torch.Tensor, rows: RowParams, shared: torch.Generator | None
         picked = np.flatnonzero(mask)
         idx = long_tensor(picked, logits.device)
         dev = rows.dev.index_select(0, idx)
-        gens = {i: rows.generators[int(r)] for i, r in enumerate(picked) if int(r) in rows.generators}
+        gens = {i: rows.generators[int(r)] for i, r in enumerate(picked)} if draw is _by_race else {}
         part = draw(_probs(logits.index_select(0, idx), dev), host[picked], dev, gens, shared)
         if choice is None:
             choice = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)

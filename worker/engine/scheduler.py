@@ -60,7 +60,7 @@ class Scheduler:
         self.watermark = cache.num_blocks // 100
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self._free_slots = list(range(max_running - 1, -1, -1))   # block-table rows (Sequence.slot)
+        self._free_slots = list(range(max_running - 1, -1, -1))   # rows of the runner's tables (Sequence.slot)
         self.preemptions = 0    # total, for metrics
 
     def _priority(self, seq: Sequence) -> tuple[int, int]:

@@ -29,9 +29,10 @@ class Sequence:
     starved: int = 0                # consecutive steps it waited for admission / a prefill chunk
     preemptions: int = 0            # times its KV blocks were taken back (it recomputes them)
     finished: bool = False
-    # Row of the runner's block-table staging while running (the scheduler hands rows out on
-    # admission and takes them back with the blocks), and how many of `blocks` are written there:
-    # blocks are only ever appended while running, so a step writes just the new ones.
+    # The request's row in the runner's per-request tables while running (block table, sampling
+    # parameters; the scheduler hands rows out on admission and takes them back with the blocks),
+    # and how many of `blocks` the block table holds: blocks are only ever appended while
+    # running, so a step writes just the new ones.
     slot: int = -1
     staged_blocks: int = 0
     # Copied from the request once: read for every row of every step (plain attributes, not
