@@ -414,6 +414,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--quantization", default="none", choices=["none", "int4"],
+                    help="int4: 4-bit projections, bf16 activations (CPU; QUANTIZATION in docs/operations.md)")
     ap.add_argument("--random-weights", default="", choices=["", *RANDOM_CONFIGS],
                     help="random weights in a real model's shape instead of the SmolLM2 GGUF")
     ap.add_argument("--tokenizer", default="", help="with --random-weights: a saved tokenizer directory "
@@ -433,12 +435,14 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.random_weights and args.quantization != "none":
+        ap.error("--quantization applies to the GGUF model, not --random-weights")
     if args.random_weights:
         model, tok = random_model(args.random_weights, args.device, resolve_dtype(args.dtype, args.device),
                                   args.tokenizer)
     else:
         settings = Settings(model_path=args.model_path, device=args.device, dtype=args.dtype,
-                            torch_threads=args.threads)
+                            quantization=args.quantization, torch_threads=args.threads)
         model, tok = load_model(settings)
     model.set_attn_implementation("sdpa")
     warm_up(model, tok, args)
@@ -480,6 +484,8 @@ def main() -> None:
     print(table(rows, columns))
     model_name = (f"random {args.random_weights}" if args.random_weights
                   else args.model_path or "SmolLM2-135M-Instruct (GGUF, dequantized)")
+    if args.quantization != "none":
+        model_name += f", {args.quantization} projections"
     path = write_json("engine", {
         "baseline": "static", "model": f"{model_name} ({model.dtype})",
         "device": args.device, "torch_threads": torch.get_num_threads(), "args": vars(args), "results": results,

@@ -27,6 +27,19 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return torch.float32
 
 
+def settings_dtype(settings, device: str) -> torch.dtype:
+    """The dtype the model runs in under `settings`: DTYPE, except that 4-bit weights
+    (QUANTIZATION=int4, CPU only) run bf16 activations, which is all their kernel is fast with."""
+    if getattr(settings, "quantization", "none") == "int4":
+        if not device.startswith("cpu"):
+            raise ValueError("QUANTIZATION=int4 is for CPU workers (DEVICE=cpu); on CUDA leave it at none")
+        if settings.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"QUANTIZATION=int4 runs bfloat16 activations; DTYPE={settings.dtype} cannot be "
+                             "combined with it (leave DTYPE at auto)")
+        return torch.bfloat16
+    return resolve_dtype(settings.dtype, device)
+
+
 def default_prefill_chunk(device: str) -> int:
     """Prompt tokens a step takes when PREFILL_CHUNK is 0. On a CPU a step's time grows with its
     tokens, so a small chunk keeps running streams' inter-token gap short; on a GPU a step of a
@@ -73,7 +86,7 @@ class EngineConfig:
             prefill_chunk=settings.prefill_chunk or default_prefill_chunk(device),
             lane_aging_steps=settings.lane_aging_steps,
             device=device,
-            dtype=resolve_dtype(settings.dtype, device),
+            dtype=settings_dtype(settings, device),
             cuda_graphs=settings.cuda_graphs,
             kv_memory_fraction=settings.kv_memory_fraction,
         )

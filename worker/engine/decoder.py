@@ -25,7 +25,8 @@ negated half moved onto sin, which IEEE negation makes exact). That is checked w
 decoder is built, bit for bit on the model's own device and dtype: a norm or activation that
 differs is called as the model's module instead, and a rotary embedding that differs refuses
 the model. The fused weights are built once and the original projections' weights become views
-of them (no second copy), so `model.generate` and this loop read the same numbers.
+of them (no second copy), so `model.generate` and this loop read the same numbers; that holds
+for 4-bit projections too (`quantize.py`), whose packed rows fuse the same way.
 """
 
 from __future__ import annotations
@@ -37,23 +38,54 @@ import torch.nn.functional as F
 
 from worker.engine import attention
 from worker.engine.model_support import SUPPORTED_FAMILIES, UnsupportedModel
+from worker.engine.quantize import Int4Linear, int4_linear
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [sum(out), in] weight (and bias) whose row blocks become the linears' weights."""
-    weight = torch.cat([lin.weight.detach() for lin in linears], 0)
-    biases = [lin.bias for lin in linears]
-    bias = torch.cat([b.detach() for b in biases], 0) if all(b is not None for b in biases) else None
-    if any(b is not None for b in biases) and bias is None:
-        raise ValueError("mixed biased and unbiased projections cannot be fused")
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
-        if bias is not None:
-            lin.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
+_LINEAR_ROW_AXES = (("weight", 0), ("bias", 0))
+
+
+def _fuse(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | None, ...]:
+    """The linears' tensors (`nn.Linear`: weight, bias; `Int4Linear`: its `ROW_AXES`) joined
+    along their output rows; the linears' own tensors become views of them (no second copy, and
+    `model.generate` reads the same numbers)."""
+    axes = getattr(linears[0], "ROW_AXES", _LINEAR_ROW_AXES)
+    fused = []
+    for name, axis in axes:
+        parts = [getattr(lin, name) for lin in linears]
+        if all(p is None for p in parts):
+            fused.append(None)
+            continue
+        if any(p is None for p in parts):
+            raise ValueError(f"mixed projections with and without a {name} cannot be fused")
+        whole = torch.cat([p.detach() for p in parts], axis)
+        start = 0
+        for lin, part in zip(linears, parts):
+            view = whole.narrow(axis, start, part.shape[axis])
+            if isinstance(lin, Int4Linear):
+                setattr(lin, name, view)   # a buffer
+            else:
+                setattr(lin, name, torch.nn.Parameter(view, requires_grad=False))
+            start += part.shape[axis]
+        fused.append(whole)
+    return tuple(fused)
+
+
+def projection(linears: list[torch.nn.Module]):
+    """One callable x -> the linears' outputs side by side (one matrix product over fused
+    weights when there are several): `F.linear` for float weights, the 4-bit kernel for
+    `Int4Linear` (quantize.py)."""
+    if len({type(lin) for lin in linears}) > 1:
+        raise ValueError("projections of different kinds cannot be fused")
+    if len(linears) > 1:
+        tensors = _fuse(linears)
+    else:
+        lin = linears[0]
+        tensors = tuple(getattr(lin, name) for name, _ in getattr(lin, "ROW_AXES", _LINEAR_ROW_AXES))
+    if isinstance(linears[0], Int4Linear):
+        packed, scales_zeros, bias = tensors
+        return lambda x: int4_linear(x, packed, scales_zeros, bias)
+    weight, bias = tensors
+    return lambda x: F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,9 +141,9 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn
         self.index = attn.layer_idx
-        self.qkv_weight, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.heads = attn.q_proj.weight.shape[0] // attn.head_dim
-        self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.qkv = projection([attn.q_proj, attn.k_proj, attn.v_proj])
         self.qk_v = [self.heads + self.kv_heads, self.kv_heads]   # head counts: split points of qkv
         self.q_k = [self.heads, self.kv_heads]
         self.head_dim = attn.head_dim
@@ -124,19 +156,19 @@ class _Layer:
             self.q_norm, self.k_norm = _norm_fn(attn.q_norm, head_samples), _norm_fn(attn.k_norm, head_samples)
         # Qwen2/Qwen3 set it per layer (None on full-attention layers); Mistral reads its config
         self.window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
-        self.o_weight, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_weight, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.inter = mlp.gate_proj.weight.shape[0]
+        self.o_proj = projection([attn.o_proj])
+        self.gate_up = projection([mlp.gate_proj, mlp.up_proj])
+        self.inter = mlp.gate_proj.out_features
         with torch.inference_mode():
             same = all(torch.equal(F.silu(x), mlp.act_fn(x)) for x in samples)
             self.act = F.silu if same else mlp.act_fn
-        self.down_weight, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        self.down = projection([mlp.down_proj])
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  meta: attention.StepMeta) -> torch.Tensor:
         tokens = h.shape[0]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        qkv = F.linear(self.input_norm(h), self.qkv_weight, self.qkv_bias)      # [T, (H + 2 KVH) D]
+        qkv = self.qkv(self.input_norm(h))                                      # [T, (H + 2 KVH) D]
         qk, v = qkv.view(tokens, heads + 2 * kv_heads, d).split(self.qk_v, dim=1)
         if self.q_norm is None:   # rotate q and k in one pass: they are adjacent heads of qkv
             q, k = rotate(qk, cos, signed_sin).split(self.q_k, dim=1)
@@ -144,9 +176,9 @@ class _Layer:
             q, k = qk.split(self.q_k, dim=1)
             q, k = rotate(self.q_norm(q), cos, signed_sin), rotate(self.k_norm(k), cos, signed_sin)
         out = attention.attend(meta, self.index, q, k, v, self.scaling, self.window)  # [T, H, D]
-        h = h + F.linear(out.reshape(tokens, heads * d), self.o_weight, self.o_bias)
-        gate, up = F.linear(self.post_norm(h), self.gate_up_weight).split(self.inter, dim=-1)
-        return h + F.linear(self.act(gate) * up, self.down_weight, self.down_bias)
+        h = h + self.o_proj(out.reshape(tokens, heads * d))
+        gate, up = self.gate_up(self.post_norm(h)).split(self.inter, dim=-1)
+        return h + self.down(self.act(gate) * up)
 
 
 def _check_rope(rope, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
@@ -174,8 +206,8 @@ class Decoder:
             raise ValueError(f"no direct decoder loop for {config.model_type!r}")
         base = model.model
         self.embed = base.embed_tokens
-        self.lm_weight, self.lm_bias = model.lm_head.weight, model.lm_head.bias
-        param = self.lm_weight
+        self.lm_head = projection([model.lm_head])
+        param = self.embed.weight   # the activations' device and dtype (a projection may be 4-bit)
         samples = _samples(config.hidden_size, param, seed=0)
         self.norm = _norm_fn(base.norm, samples)
         with torch.no_grad():
@@ -217,4 +249,4 @@ class Decoder:
         a captured decode graph: run on the real rows only, it skips the padding rows' logits
         (the largest matrix product of a small model's step) and needs no [rows, vocab] output
         per captured batch size."""
-        return F.linear(normed, self.lm_weight, self.lm_bias)
+        return self.lm_head(normed)

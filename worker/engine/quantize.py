@@ -1,0 +1,107 @@
+"""4-bit weights for CPU workers (`QUANTIZATION=int4`): the decoder layers' linear projections
+stored as 4-bit integers in groups of 32 with a scale and an offset per group, activations in bf16.
+
+Why: a decode step of a few rows reads every weight once per token, so on a CPU it is bound by
+weight bytes, not arithmetic. SmolLM2-135M in float32 reads ~540 MB a token (29-36 ms at batch 1
+on the 2-core CI boxes, against llama.cpp's ~11 ms on its 4-bit weights). torch ships a 4-bit
+kernel for CPU (`aten._weight_int4pack_mm_for_cpu`, the one torchao and gpt-fast use); it is fast
+with bf16 activations only, so a 4-bit model runs in bf16.
+
+Faithful to the default model: SmolLM2's GGUF stores every projection as Q4_1, i.e. exactly this
+layout (w = d * q + m per group of 32, q in 0..15). Loaded in float32, a group's smallest value
+is m and its largest m + 15 d, so `Int4Linear.quantize` recovers the file's own q, d and m (the
+reconstruction error on SmolLM2 is 0.0); only d and m are rounded to bf16. On weights that were
+not 4-bit to begin with (a safetensors checkpoint) the same min/max rounding is ordinary
+4-bit group quantization and loses accuracy, as llama.cpp's Q4_1 does.
+
+The LM head stays in bf16: SmolLM2 ties it to the embeddings, which the GGUF keeps in 8 bits
+(Q8_0), and a per-row int8 or a 4-bit copy of it changed greedy answers on 3 of 12 chat prompts.
+
+Exactness: the kernel computes each output row from that input row alone (the same bits whatever
+else is in the batch), and weights are packed in independent blocks of 64 output rows, so a
+fused q/k/v projection is the separate ones' packed rows side by side and gives the same bits
+(checked in tests). The engine's batched, packed steps therefore equal `model.generate` on the
+same 4-bit model wherever the bf16 attention does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 32                    # input features per scale/offset (llama.cpp's Q4 block size)
+PACK_ROWS = 64                # the CPU packing's block of output rows (independent of the others)
+INT4_DTYPE = torch.bfloat16   # activation dtype of a 4-bit model: the kernel's fast path
+
+
+class Int4Linear(torch.nn.Module):
+    """A drop-in `nn.Linear` (same forward) over 4-bit weights: `packed` (the CPU kernel's layout
+    of q [out, in]) and `scales_zeros` [in / GROUP, out, 2], where w = (q - 8) * scale + zero."""
+
+    # tensors and the axis their output rows lie on: a fused projection concatenates them there
+    ROW_AXES = (("packed", 0), ("scales_zeros", 1), ("bias", 0))
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
+                 in_features: int):
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("bias", bias)
+        self.in_features, self.out_features = in_features, scales_zeros.shape[1]
+
+    @classmethod
+    def quantize(cls, linear: torch.nn.Linear, dtype: torch.dtype = INT4_DTYPE) -> "Int4Linear":
+        """Min/max rounding per group of 32 (asymmetric, like llama.cpp's Q4_1)."""
+        out_features, in_features = linear.weight.shape
+        if in_features % GROUP or out_features % PACK_ROWS:
+            raise ValueError(f"4-bit weights need in_features % {GROUP} == 0 and out_features % {PACK_ROWS} "
+                             f"== 0; this linear is {in_features} -> {out_features}")
+        groups = linear.weight.detach().to(torch.float32).view(out_features, in_features // GROUP, GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        step = (high - low) / 15
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        q = torch.round((groups - low[..., None]) / step[..., None]).clamp_(0, 15)
+        q = q.to(torch.int32).view(out_features, in_features)
+        # the kernel's form: (q - 8) * scale + zero, so zero = low + 8 * step
+        scales_zeros = torch.stack([step.t(), (low + 8 * step).t()], -1).to(dtype).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls(packed, scales_zeros, bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, self.packed, self.scales_zeros, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for x [..., in] in the scales' dtype, w as `Int4Linear` stores it."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if not scales_zeros.is_contiguous():   # a fused projection's part (model.generate's path)
+        scales_zeros = scales_zeros.contiguous()
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, scales_zeros.shape[1])
+
+
+def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE) -> None:
+    """In place: every linear projection of the decoder layers becomes an `Int4Linear`, quantized
+    from the weights as loaded (load in float32: then a Q4 GGUF's own values are recovered);
+    every other floating parameter (embeddings, norms, LM head) is cast to `dtype`. Buffers are
+    left alone: the rotary inverse frequencies stay in float32, as transformers keeps them when
+    it loads a model in bf16. Raises ValueError for a model whose shapes the kernel cannot hold."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("4-bit weights are for CPU workers (the kernel used here is torch's CPU one)")
+    targets = [(module, name, child) for layer in model.model.layers for module in layer.modules()
+               for name, child in module.named_children() if type(child) is torch.nn.Linear]
+    quantized = [Int4Linear.quantize(child, dtype) for _, _, child in targets]   # all or nothing
+    for (parent, name, _), linear in zip(targets, quantized):
+        setattr(parent, name, linear)
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
