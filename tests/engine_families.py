@@ -70,3 +70,13 @@ def engine_tokens(model, prompts, n: int, *, max_batch: int, tokenizer=None, **c
             outs.setdefault(o.rid, []).extend(o.token_ids)
         step += 1
     return outs, engine
+
+
+def assert_engine_equals_generate(model, n: int, label: str) -> None:
+    """Each of PROMPTS through the engine (`engine_tokens`, 2 rows) gives generate()'s greedy
+    tokens alone (EOS ignored in both)."""
+    refs = [reference(model, p, n) for p in PROMPTS]
+    model.generation_config.eos_token_id = None
+    outs, _ = engine_tokens(model, PROMPTS, n, max_batch=2)
+    for i, ref in enumerate(refs):
+        assert outs[f"r{i}"] == ref, f"{label} r{i}"

@@ -10,7 +10,7 @@ import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM)
 
-from tests.engine_families import COMMON, FAMILIES, PROMPTS, Tok, engine_tokens, reference
+from tests.engine_families import COMMON, FAMILIES, PROMPTS, Tok, assert_engine_equals_generate, reference
 from worker.engine import Engine, EngineConfig
 from worker.engine.decoder import rms_norm, rotate
 from worker.engine.model_support import UnsupportedModel
@@ -22,13 +22,7 @@ def test_family_equals_generate(family):
     request's greedy tokens equal generate() alone. With a window of 8 and 20+ token contexts,
     ignoring the window changes the output."""
     torch.manual_seed(0)
-    model = FAMILIES[family]().eval()
-    n = 20
-    refs = [reference(model, p, n) for p in PROMPTS]
-    model.generation_config.eos_token_id = None
-    outs, _ = engine_tokens(model, PROMPTS, n, max_batch=2)
-    for i, ref in enumerate(refs):
-        assert outs[f"r{i}"] == ref, f"{family} r{i}"
+    assert_engine_equals_generate(FAMILIES[family]().eval(), 20, family)
 
 
 def test_window_really_matters():

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from shared.config import Settings
-from tests.engine_families import COMMON, PROMPTS, engine_tokens, reference
+from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate, reference
 from worker.engine.config import settings_dtype
 from worker.engine.quantize import GROUP, Int4Linear, int4_linear, quantize_int4
 
@@ -82,12 +82,7 @@ def test_engine_equals_generate_on_the_same_4bit_model(family):
     assert type(model.model.layers[0].self_attn.q_proj) is Int4Linear
     assert type(model.model.layers[1].mlp.down_proj) is Int4Linear
     assert type(model.lm_head) is torch.nn.Linear   # the head stays dense
-    n = 16
-    refs = [reference(model, p, n) for p in PROMPTS]
-    model.generation_config.eos_token_id = None
-    outs, _ = engine_tokens(model, PROMPTS, n, max_batch=2)
-    for i, ref in enumerate(refs):
-        assert outs[f"r{i}"] == ref, f"{family} r{i}"
+    assert_engine_equals_generate(model, 16, family)
 
 
 def test_quantizing_changes_the_models_tokens():
