@@ -10,7 +10,10 @@ float32's, measured three ways in one run:
   differs. Coarse: one flip at a near tie changes the rest of an answer, so it counts near ties
   as much as real damage; the per-position figures above separate the two;
 - the engine against `generate` on the same variant (batched, chunked prefill), the equality the
-  test suite checks on tiny models, here on the real one.
+  test suite checks on tiny models, here on the real one;
+- failover: a continuation from the first third of each engine answer (prompt + delivered
+  tokens prefilled, as a worker taking over a killed one's request runs it) against the
+  uninterrupted answer: whether the client's text is what it would have been without the kill.
 
     .venv/bin/python bench/quality.py                       # float32 vs bfloat16 and int4, ~4 min
     .venv/bin/python bench/quality.py --variants int4 --tokens 32
@@ -60,18 +63,30 @@ def greedy(model, tok, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
-def engine_greedy(model, tok, prompts: list[list[int]], n: int, rows: int) -> list[list[int]]:
+def engine_greedy(model, tok, prompts: list[list[int]], n: int, rows: int,
+                  delivered: list[list[int]] | None = None) -> list[list[int]]:
     """The same answers through the engine: `rows` at a time, 16-token prefill chunks, so steps
-    mix prompt chunks with decode rows."""
+    mix prompt chunks with decode rows. With `delivered`, each request is a failover
+    continuation (docs/failover.md): those tokens are context, and only the rest comes out."""
     engine = Engine(model, tok, EngineConfig(max_batch=rows, max_seq_len=1024, prefill_chunk=16,
                                              dtype=model.model.embed_tokens.weight.dtype))
     outs: dict[str, list[int]] = {}
     for i, ids in enumerate(prompts):
-        engine.add(EngineRequest(f"q{i}", ids, SamplingParams(max_tokens=n, temperature=0.0)))
+        engine.add(EngineRequest(f"q{i}", ids, SamplingParams(max_tokens=n, temperature=0.0),
+                                 generated_ids=list(delivered[i]) if delivered else []))
     while engine.has_work:
         for o in engine.step():
             outs.setdefault(o.rid, []).extend(o.token_ids)
     return [outs.get(f"q{i}", []) for i in range(len(prompts))]
+
+
+def failover_repeats(model, tok, prompts: list[list[int]], answers: list[list[int]], n: int, rows: int,
+                     cut: int) -> tuple[int, int]:
+    """Of the engine's answers longer than `cut` tokens, how many a continuation from their first
+    `cut` tokens (what a worker taking over after a kill runs) finishes with the same tokens."""
+    long = [i for i, a in enumerate(answers) if len(a) > cut]
+    rest = engine_greedy(model, tok, [prompts[i] for i in long], n, rows, [answers[i][:cut] for i in long])
+    return sum(r == answers[i][cut:] for i, r in zip(long, rest)), len(long)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -128,10 +143,13 @@ def main() -> None:
     reference = [log_probs(model, s, start) for s, start in seqs]
     rows = []
     base_engine = engine_greedy(model, tok, prompts, args.tokens, args.rows)
+    cut = args.tokens // 3
+    same, total = failover_repeats(model, tok, prompts, base_engine, args.tokens, args.rows, cut)
     rows.append({"variant": "float32", "top1 agree %": 100.0, "KL mean": 0.0, "KL p99": 0.0, "KL max": 0.0,
                  "ppl": compare(reference, reference, targets)["ppl"],
                  "greedy = float32": f"{len(CHAT)}/{len(CHAT)}", "first differences": "",
-                 "engine = generate": f"{sum(a == b for a, b in zip(base_engine, answers))}/{len(CHAT)}"})
+                 "engine = generate": f"{sum(a == b for a, b in zip(base_engine, answers))}/{len(CHAT)}",
+                 "failover = uninterrupted": f"{same}/{total}"})
     results = {"float32": rows[0]}
     del model
     for name in variants:
@@ -140,18 +158,20 @@ def main() -> None:
         mine = greedy(model, tok, prompts, args.tokens)
         diffs = [first_difference(a, b) for a, b in zip(mine, answers)]
         engine = engine_greedy(model, tok, prompts, args.tokens, args.rows)
+        same, total = failover_repeats(model, tok, prompts, engine, args.tokens, args.rows, cut)
         row = {"variant": name, "top1 agree %": stats["top1_agree_pct"], "KL mean": stats["kl_mean"],
                "KL p99": stats["kl_p99"], "KL max": stats["kl_max"], "ppl": stats["ppl"],
                "greedy = float32": f"{diffs.count(None)}/{len(CHAT)}",
                "first differences": " ".join(str(d) for d in sorted(d for d in diffs if d is not None)),
-               "engine = generate": f"{sum(a == b for a, b in zip(engine, mine))}/{len(CHAT)}"}
+               "engine = generate": f"{sum(a == b for a, b in zip(engine, mine))}/{len(CHAT)}",
+               "failover = uninterrupted": f"{same}/{total}"}
         rows.append(row)
         results[name] = {**row, **stats, "first_differences": diffs}
         del model
     print(f"{sum(len(t) for t in targets)} scored positions ({len(DOCS)} docs x {args.doc_tokens} tokens, "
-          f"{len(CHAT)} float32 answers); greedy answers of {args.tokens} tokens")
+          f"{len(CHAT)} float32 answers); greedy answers of {args.tokens} tokens; failover after {cut}")
     print(table(rows, ["variant", "top1 agree %", "KL mean", "KL p99", "KL max", "ppl", "greedy = float32",
-                       "first differences", "engine = generate"]))
+                       "first differences", "engine = generate", "failover = uninterrupted"]))
     print(f"results: {write_json('quality', {'args': vars(args), 'results': results})}")
 
 
