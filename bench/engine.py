@@ -413,9 +413,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="uniform workload: runs of the quick methods (static, engine); median reported")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--quantization", default="none", choices=["none", "int4"],
-                    help="int4: 4-bit projections, bf16 activations (CPU; QUANTIZATION in docs/operations.md)")
+    ap.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA; on CPU fp32, or bf16 with the 4-bit "
+                                                    "weights --quantization auto picks")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int4"],
+                    help="int4: 4-bit projections, bf16 activations (CPU); auto: what a worker picks, int4 for "
+                         "the Q4_1 GGUF on a CPU with native bf16 and --dtype auto (QUANTIZATION in "
+                         "docs/operations.md)")
     ap.add_argument("--random-weights", default="", choices=["", *RANDOM_CONFIGS],
                     help="random weights in a real model's shape instead of the SmolLM2 GGUF")
     ap.add_argument("--tokenizer", default="", help="with --random-weights: a saved tokenizer directory "
@@ -435,7 +438,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.random_weights and args.quantization != "none":
+    if args.random_weights and args.quantization == "int4":
         ap.error("--quantization applies to the GGUF model, not --random-weights")
     if args.random_weights:
         model, tok = random_model(args.random_weights, args.device, resolve_dtype(args.dtype, args.device),
@@ -484,8 +487,8 @@ def main() -> None:
     print(table(rows, columns))
     model_name = (f"random {args.random_weights}" if args.random_weights
                   else args.model_path or "SmolLM2-135M-Instruct (GGUF, dequantized)")
-    if args.quantization != "none":
-        model_name += f", {args.quantization} projections"
+    if any(type(m).__name__ == "Int4Linear" for m in model.modules()):
+        model_name += ", int4 projections"
     path = write_json("engine", {
         "baseline": "static", "model": f"{model_name} ({model.dtype})",
         "device": args.device, "torch_threads": torch.get_num_threads(), "args": vars(args), "results": results,

@@ -59,9 +59,11 @@ class Settings(BaseSettings):
     model_gguf_file: str = Field("", description="GGUF file name inside model_path, if any")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int4"] = Field("none", description="CPU: int4 = the decoder layers' projections as "
-                                                  "4-bit weights in groups of 32 (a Q4 GGUF's own values), bf16 "
-                                                  "activations; tokens differ from float32's (docs/operations.md)")
+    quantization: Literal["auto", "none", "int4"] = Field(
+        "auto", description="CPU: int4 = the decoder layers' projections as 4-bit weights in groups of 32 (a Q4 "
+                            "GGUF's own values), bf16 activations; tokens differ from float32's at near ties. auto = "
+                            "int4 for a Q4_1 GGUF (the default model) on a CPU with native bf16 and DTYPE=auto, "
+                            "else none (docs/operations.md)")
     max_batch: int = Field(16, description="max requests in the running batch")
     worker_queue_depth: int = Field(16, description="requests a worker takes beyond its running batch, queued in "
                                                     "its engine so that admission follows priority lanes")

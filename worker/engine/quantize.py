@@ -1,5 +1,8 @@
 """4-bit weights for CPU workers (`QUANTIZATION=int4`): the decoder layers' linear projections
 stored as 4-bit integers in groups of 32 with a scale and an offset per group, activations in bf16.
+`QUANTIZATION=auto` (the default) picks it where it loses nothing the file had and runs fast: a
+GGUF whose projections are all Q4_1 (`gguf_is_int4_exact`) on a CPU with native bf16
+(`native_bf16_cpu`); see `config.settings_quantization`.
 
 Why: a decode step of a few rows reads every weight once per token, so on a CPU it is bound by
 weight bytes, not arithmetic. SmolLM2-135M in float32 reads ~540 MB a token (29-36 ms at batch 1
@@ -27,9 +30,15 @@ same 4-bit model wherever the bf16 attention does.
 
 from __future__ import annotations
 
+import functools
+import os
+from pathlib import Path
+
 import torch
 
 GROUP = 32                    # input features per scale/offset (llama.cpp's Q4 block size)
+# the decoder layers' projections in a GGUF file (llama.cpp's names): what `quantize_int4` packs
+GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 PACK_ROWS = 64                # the CPU packing's block of output rows (independent of the others)
 INT4_DTYPE = torch.bfloat16   # activation dtype of a 4-bit model: the kernel's fast path
 
@@ -108,3 +117,31 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE) -> None:
     for param in model.parameters():
         if param.is_floating_point():
             param.data = param.data.to(dtype)
+
+
+def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16): there the 4-bit
+    kernel's bf16 activations are fast. False where it cannot be told (no /proc/cpuinfo)."""
+    try:
+        flags = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_projections_q4_1(path: str, mtime_ns: int) -> bool:
+    from gguf import GGUFReader, GGMLQuantizationType
+    projections = [t for t in GGUFReader(path).tensors
+                   if t.name.startswith("blk.") and t.name.split(".")[-2] in GGUF_PROJECTIONS]
+    # a GGUF shape is (in, out): ne0 first
+    return bool(projections) and all(
+        t.tensor_type == GGMLQuantizationType.Q4_1 and int(t.shape[0]) % GROUP == 0 and int(t.shape[1]) % PACK_ROWS == 0
+        for t in projections)
+
+
+def gguf_is_int4_exact(path: str) -> bool:
+    """Whether every decoder projection in the GGUF file at `path` is stored as Q4_1 in shapes
+    the kernel packs: then `quantize_int4` recovers the file's own 4-bit values (only each
+    group's scale and offset are rounded to bf16), and 4 bits lose nothing the file had."""
+    return _gguf_projections_q4_1(path, os.stat(path).st_mtime_ns)
