@@ -65,6 +65,7 @@ from shared.config import Settings  # noqa: E402
 from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
 from worker.engine.config import default_prefill_chunk, resolve_dtype  # noqa: E402
+from worker.engine.quantize import Int4Linear  # noqa: E402
 from worker.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
 
 # Real models' shapes, for --random-weights (from their published config.json files).
@@ -487,7 +488,7 @@ def main() -> None:
     print(table(rows, columns))
     model_name = (f"random {args.random_weights}" if args.random_weights
                   else args.model_path or "SmolLM2-135M-Instruct (GGUF, dequantized)")
-    if any(type(m).__name__ == "Int4Linear" for m in model.modules()):
+    if any(isinstance(m, Int4Linear) for m in model.modules()):
         model_name += ", int4 projections"
     path = write_json("engine", {
         "baseline": "static", "model": f"{model_name} ({model.dtype})",

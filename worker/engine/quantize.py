@@ -37,10 +37,15 @@ from pathlib import Path
 import torch
 
 GROUP = 32                    # input features per scale/offset (llama.cpp's Q4 block size)
-# the decoder layers' projections in a GGUF file (llama.cpp's names): what `quantize_int4` packs
-GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 PACK_ROWS = 64                # the CPU packing's block of output rows (independent of the others)
 INT4_DTYPE = torch.bfloat16   # activation dtype of a 4-bit model: the kernel's fast path
+# the decoder layers' projections in a GGUF file (llama.cpp's names): what `quantize_int4` packs
+GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def packable(out_features: int, in_features: int) -> bool:
+    """Whether the kernel can hold a [out, in] weight: whole groups of inputs, whole packing blocks of rows."""
+    return in_features % GROUP == 0 and out_features % PACK_ROWS == 0
 
 
 class Int4Linear(torch.nn.Module):
@@ -62,7 +67,7 @@ class Int4Linear(torch.nn.Module):
     def quantize(cls, linear: torch.nn.Linear, dtype: torch.dtype = INT4_DTYPE) -> "Int4Linear":
         """Min/max rounding per group of 32 (asymmetric, like llama.cpp's Q4_1)."""
         out_features, in_features = linear.weight.shape
-        if in_features % GROUP or out_features % PACK_ROWS:
+        if not packable(out_features, in_features):
             raise ValueError(f"4-bit weights need in_features % {GROUP} == 0 and out_features % {PACK_ROWS} "
                              f"== 0; this linear is {in_features} -> {out_features}")
         groups = linear.weight.detach().to(torch.float32).view(out_features, in_features // GROUP, GROUP)
@@ -123,10 +128,10 @@ def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16): there the 4-bit
     kernel's bf16 activations are fast. False where it cannot be told (no /proc/cpuinfo)."""
     try:
-        flags = Path(cpuinfo).read_text()
+        words = set(Path(cpuinfo).read_text().split())
     except OSError:
         return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+    return not words.isdisjoint(("avx512_bf16", "amx_bf16"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -136,8 +141,7 @@ def _gguf_projections_q4_1(path: str, mtime_ns: int) -> bool:
                    if t.name.startswith("blk.") and t.name.split(".")[-2] in GGUF_PROJECTIONS]
     # a GGUF shape is (in, out): ne0 first
     return bool(projections) and all(
-        t.tensor_type == GGMLQuantizationType.Q4_1 and int(t.shape[0]) % GROUP == 0 and int(t.shape[1]) % PACK_ROWS == 0
-        for t in projections)
+        t.tensor_type == GGMLQuantizationType.Q4_1 and packable(int(t.shape[1]), int(t.shape[0])) for t in projections)
 
 
 def gguf_is_int4_exact(path: str) -> bool:
