@@ -91,14 +91,11 @@ class Int4Linear(torch.nn.Module):
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for x [..., in] in the scales' dtype, w as `Int4Linear` stores it."""
-    if x.dim() == 2 and x.is_contiguous() and scales_zeros.is_contiguous():
-        # the decoder's packed [T, in] activations: no reshapes around the kernel (each is a
-        # dispatch, and a 1-row decode step runs 4 projections a layer)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
-        return out if bias is None else out + bias
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
+    """x @ w.T (+ bias) for x [..., in] in the scales' dtype, w as `Int4Linear` stores it. The
+    decoder's activations are already a contiguous [T, in]: they go to the kernel with no
+    reshape or view around it (each is a dispatch, and a 1-row decode step runs 4 projections
+    a layer)."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if not scales_zeros.is_contiguous():
@@ -108,7 +105,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros)
     if bias is not None:
         out = out + bias
-    return out.view(*lead, scales_zeros.shape[1])
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], scales_zeros.shape[1])
 
 
 def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE) -> None:
