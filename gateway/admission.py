@@ -1,8 +1,10 @@
 """Admission control: refuse work the backend cannot serve, before it is queued.
 
-The backlog is read from Redis, so every replica sees the same queue: `XINFO GROUPS` on the
-request stream gives the consumer group's `lag` (entries no worker has read yet) and `pending`
-(read but not yet finished); their sum is the work ahead of a new request. Live workers come from
+The backlog is read from Redis, so every replica sees the same queue: entries no worker has
+read yet plus entries read but not yet finished (shared.backlog.read_backlog, which does not
+trust the consumer group's `lag` counter after a Redis restart); their sum is the work ahead
+of a new request. When the depth cannot be known, admission admits (and says so once in the
+log) rather than refuse every request on a figure it does not have. Live workers come from
 the registry zset `{p}:workers` (worker id -> last heartbeat ms). One snapshot is reused for
 `cache_ms` so a burst of thousands of requests costs one round trip, not thousands.
 
@@ -15,6 +17,7 @@ restart into a burst of `overloaded` errors for new requests.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis.asyncio as aioredis
@@ -24,6 +27,8 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.streams import Keys
 
 ADMISSION_GRACE_TTLS = 5
+
+log = logging.getLogger("gateway.admission")
 
 
 class Admission:
@@ -36,6 +41,7 @@ class Admission:
         self._snapshot: Backlog | None = None
         self._at = 0.0
         self.admitted_since_snapshot = 0
+        self._depth_unknown = False
 
     async def backlog(self) -> Backlog:
         now = time.monotonic()
@@ -49,6 +55,15 @@ class Admission:
         backlog = await self.backlog()
         if backlog.live_workers == 0:
             raise ProtocolError(ErrorCode.OVERLOADED, "no worker is alive to serve the request; retry later")
+        if backlog.depth is None:
+            if not self._depth_unknown:
+                log.warning("the request queue's depth cannot be read from Redis right now (its consumer-group "
+                            "counter is unknown); admitting without a depth check until it can")
+            self._depth_unknown = True
+            return
+        if self._depth_unknown:
+            log.info("the request queue's depth is known again (%d)", backlog.depth)
+            self._depth_unknown = False
         # requests this replica admitted since the snapshot count too, so a burst cannot overshoot
         if backlog.depth + self.admitted_since_snapshot >= self.max_depth:
             raise ProtocolError(ErrorCode.OVERLOADED,

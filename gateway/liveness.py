@@ -7,7 +7,9 @@ survivor looks for gateways silent longer than `gateway_ttl_s`. The first surviv
 of the dead id succeeds owns the takeover: it parks every request in the dead gateway's
 `p:{g:<gw>}:reqs` set that still points at it (meta.gw) as an orphan with the resume grace,
 exactly as a clean socket close would, and lets its inbox and set expire shortly after (a
-worker may still append a request's final event meanwhile).
+worker may still append a request's final event meanwhile). Silence during a Redis outage
+(or a pause of our own) is not held against a peer: shared.peer_liveness gives every gateway a
+fresh window when Redis comes back, so a Redis restart never parks a live gateway's streams.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import logging
 import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.submit import Submitter
+from shared.peer_liveness import PeerLiveness, server_run_id
 from shared.streams import META_ATT, META_GW, Keys, as_str
 
 log = logging.getLogger("gateway.liveness")
@@ -32,11 +36,15 @@ class Liveness:
         self.keys = keys
         self.gw_id = gw_id
         self.submitter = submitter
-        self.ttl_ms = int(ttl_s * 1000)
         self.grace_s = grace_s
+        self.peers = PeerLiveness(ttl_s, what="peer gateways")
 
     async def beat(self) -> None:
-        await self.redis.zadd(self.keys.gateways, {self.gw_id: int(time.time() * 1000)})
+        try:
+            await self.redis.zadd(self.keys.gateways, {self.gw_id: int(time.time() * 1000)})
+        except (RedisError, OSError):
+            self.peers.interrupted()
+            raise
 
     async def leave(self) -> None:
         """Clean exit: our requests were parked by their sockets; the inbox goes soon."""
@@ -45,7 +53,16 @@ class Liveness:
 
     async def take_over_dead(self) -> dict[str, int]:
         """Park the requests of every gateway whose heartbeat is too old. Returns {gw: parked}."""
-        cutoff = int(time.time() * 1000) - self.ttl_ms
+        try:
+            sent_at = self.peers.clock()
+            self.peers.observe(await server_run_id(self.redis, self.keys.gateways), sent_at)
+            cutoff = self.peers.cutoff_ms()
+            return {} if cutoff is None else await self._take_over_before(cutoff)
+        except (RedisError, OSError):
+            self.peers.interrupted()
+            raise
+
+    async def _take_over_before(self, cutoff: int) -> dict[str, int]:
         dead = await self.redis.zrangebyscore(self.keys.gateways, "-inf", cutoff)
         taken: dict[str, int] = {}
         for member in dead:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import socket
 import time
@@ -62,11 +63,16 @@ class GatewayClient:
 
 
 async def eventually(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    """Poll `predicate()` until it is true or `timeout` passes; its last value."""
+    """Poll `predicate()` (a plain or an async function) until it is true or `timeout` passes;
+    its last value."""
+    async def value() -> bool:
+        result = predicate()
+        return bool(await result if inspect.isawaitable(result) else result)
+
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not await value():
         if time.monotonic() > deadline:
-            return bool(predicate())
+            return await value()
         await asyncio.sleep(interval)
     return True
 

@@ -90,11 +90,11 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def spawn(module: str, env: dict, log_dir: Path, name: str) -> Proc:
+def spawn(module: str, env: dict, log_dir: Path, name: str, args: tuple[str, ...] = ()) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     out = open(log_path, "ab")
-    popen = subprocess.Popen([PYTHON, "-m", module], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+    popen = subprocess.Popen([PYTHON, "-m", module, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
     return Proc(popen, log_path)
 

@@ -10,7 +10,7 @@ from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, Sam
 from worker.engine import StepOutput
 from worker.events import InFlight, Progress, progress_from_last
 from worker.failover import decide, rid_of_raw
-from worker.intake import trim_finished
+from worker.consumer_group import trim_finished
 
 
 def entry(**params) -> RequestEntry:

@@ -33,11 +33,12 @@ from shared.aio import wait_event
 from shared.errors import ErrorCode
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_ATT, META_EPOCH, META_GW, META_KEY, META_OWNER,
                             RequestEntry, as_str, decode_event)
-from worker import failover, registry
+from shared.peer_liveness import PeerLiveness, server_run_id
+from worker import consumer_group, failover, registry
 from worker.engine_thread import Add, Cancel
 from worker.events import InFlight, progress_from_last
 from worker.output_writer import DeadLetter
-from worker.redis_io import with_backoff
+from worker.redis_io import TRANSIENT, Backoff, with_backoff
 
 if TYPE_CHECKING:
     from worker.service import WorkerService
@@ -50,37 +51,20 @@ DEAD_CHECK_S = 0.25      # how often the registry is checked for workers whose h
 MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
 
 
-async def trim_finished(redis, keys, *, approximate: bool = True) -> str | None:
-    """XTRIM MINID below everything still pending or not yet delivered: only entries whose
-    request finished (acked) are removed. The gateway's MAXLEN is only the hard cap.
-    Returns the MINID used (None when the group does not exist)."""
-    groups = await redis.xinfo_groups(keys.requests)
-    group = next((g for g in groups if as_str(g.get("name")) == CONSUMER_GROUP), None)
-    if group is None:
-        return None
-    summary = await redis.xpending(keys.requests, CONSUMER_GROUP)
-    if summary and summary.get("pending"):
-        minid = as_str(summary["min"])
-    else:
-        ms, _, seq = as_str(group.get("last-delivered-id", "0-0")).partition("-")
-        minid = f"{ms}-{int(seq or 0) + 1}"
-    await redis.xtrim(keys.requests, minid=minid, approximate=approximate)
-    return minid
-
-
 class Intake:
     def __init__(self, svc: "WorkerService"):
         self.svc = svc
         self.keys = svc.keys
         self.settings = svc.settings
         self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
+        # who is dead: not judged while Redis (or this process) was away (shared.peer_liveness)
+        self.peers = PeerLiveness(self.settings.worker_ttl_s, what="peer workers")
 
     async def ensure_group(self) -> None:
-        try:
-            await self.svc.redis.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Create or join the group, and put its counters right (a new Redis may have loaded
+        them stale: worker.consumer_group)."""
+        await consumer_group.ensure_group(self.svc.redis, self.keys)
+        await consumer_group.resync_entries_read(self.svc.redis, self.keys)
 
     # ---- new entries ------------------------------------------------------------------------
 
@@ -121,7 +105,10 @@ class Intake:
         # are claimed then (checked every DEAD_CHECK_S), whatever our free slots, ahead of new
         # intake (which waits while we are full). XAUTOCLAIM after claim_idle_ms is the fallback
         # for entries nobody else accounts for (hand-backs, workers gone from the registry); a
-        # short interval is what makes a hand-back land elsewhere within a second.
+        # short interval is what makes a hand-back land elsewhere within a second. Neither runs
+        # until we have watched Redis for a worker TTL without interruption: after a Redis
+        # restart every heartbeat and every entry's idle time is stale, and live peers need that
+        # window to beat and refresh their entries again (shared.peer_liveness).
         scan_every = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
         last_trim = last_scan = 0.0
         while not svc.stopping:
@@ -130,11 +117,11 @@ class Intake:
             try:
                 await with_backoff(self.claim_dead_workers, "claim from dead workers", lambda: svc.stopping)
                 free = svc.free_slots()
-                if free > 0 and time.monotonic() - last_scan >= scan_every:
+                if free > 0 and self.peers.judging() and time.monotonic() - last_scan >= scan_every:
                     await with_backoff(lambda: self.claim_once(free), "claim", lambda: svc.stopping)
                     last_scan = time.monotonic()
                 if time.monotonic() - last_trim > TRIM_EVERY_S:
-                    await with_backoff(lambda: trim_finished(svc.redis, self.keys), "trim", lambda: svc.stopping)
+                    await with_backoff(self.tend_group, "trim", lambda: svc.stopping)
                     last_trim = time.monotonic()
             except asyncio.CancelledError:
                 return
@@ -159,14 +146,38 @@ class Intake:
                 break
         await self._accept_claimed(claimed)
 
+    async def tend_group(self) -> None:
+        """Trim finished entries; re-sync the group's counters if they are visibly off."""
+        svc = self.svc
+        await consumer_group.trim_finished(svc.redis, self.keys)
+        if await consumer_group.counters_look_wrong(svc.redis, self.keys):
+            await consumer_group.resync_entries_read(svc.redis, self.keys)
+
+    async def watch_redis(self) -> None:
+        """One liveness round: which Redis server answers, and how promptly. A new server
+        (restart, failover) means stale heartbeats, idle times and group counters."""
+        svc = self.svc
+        sent_at = self.peers.clock()
+        run_id = await server_run_id(svc.redis, self.keys.workers)
+        if self.peers.observe(run_id, sent_at):
+            await consumer_group.resync_entries_read(svc.redis, self.keys)
+
     async def claim_dead_workers(self) -> None:
         """Claim the entries of every worker whose registry heartbeat is older than
         worker_ttl_s (up to our capacity a round), and clean up after those with none left."""
+        try:
+            await self.watch_redis()
+            await self._claim_dead_workers()
+        except TRANSIENT:
+            self.peers.interrupted()   # what we read next may be stale: a fresh window first
+            raise
+
+    async def _claim_dead_workers(self) -> None:
         svc = self.svc
-        if svc.unhealthy:
+        cutoff = self.peers.cutoff_ms()
+        if svc.unhealthy or cutoff is None:
             return
-        now_ms = int(time.time() * 1000)
-        silent = await svc.redis.zrangebyscore(self.keys.workers, "-inf", now_ms - int(self.settings.worker_ttl_s * 1000))
+        silent = await svc.redis.zrangebyscore(self.keys.workers, "-inf", cutoff)
         room = svc.capacity
         for dead in (as_str(w) for w in silent):
             if dead == svc.worker_id or room <= 0:
@@ -302,7 +313,9 @@ class Intake:
         while True:
             await asyncio.sleep(interval)
             if svc.inflight:
-                await with_backoff(self.keep_fresh_once, "keep fresh")
+                # retried at this loop's own pace during an outage: when Redis is back, our
+                # entries are fresh again within `interval`, inside the window peers give us
+                await with_backoff(self.keep_fresh_once, "keep fresh", backoff=Backoff(cap=interval))
 
     async def keep_fresh_once(self) -> None:
         svc = self.svc

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from shared.streams import CONSUMER_GROUP, META_OWNER
 from worker import registry
 from worker.engine_thread import Cancel
-from worker.redis_io import with_backoff
+from worker.redis_io import Backoff, with_backoff
 
 if TYPE_CHECKING:
     from worker.service import WorkerService
@@ -67,7 +67,10 @@ class Lifecycle:
                 svc.settings = svc.settings.model_copy(update={"shutdown_grace_s": 0.0})
                 svc.request_stop()
                 return
-            await with_backoff(self.heartbeat_once, "heartbeat")
+            # retried at the heartbeat's own pace during an outage (the same load on Redis as
+            # beating), so a restarted Redis sees us beat within one interval: peers give us a
+            # window of one worker TTL from when they see Redis back (shared.peer_liveness)
+            await with_backoff(self.heartbeat_once, "heartbeat", backoff=Backoff(cap=svc.settings.worker_heartbeat_s))
 
     # ---- stopping ---------------------------------------------------------------------------
 
