@@ -15,7 +15,6 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from gateway.auth import bearer_token
-from gateway.connection import Connection
 from gateway import openai_api
 from gateway.hub import Hub
 from gateway.settings import GatewaySettings
@@ -57,7 +56,7 @@ async def stream(ws: WebSocket) -> None:
         await socket.close(REFUSAL_CLOSE_CODES.get(exc.code, CLOSE_POLICY), exc.code.value, last=error_message(exc))
         return
     try:
-        await Connection(hub, socket, key_id=key_id, claim=claim).run()
+        await hub.websocket_session(socket, key_id=key_id, claim=claim).run()
     finally:
         claim.close()
 

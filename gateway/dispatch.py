@@ -2,8 +2,9 @@
 
 Frames are handled in arrival order. A bad frame is answered with a typed `error` for that id
 only, so one bad message cannot take down the socket's other requests; before the socket is
-authenticated, any refusal closes it (policy violation). An `error` with an id means the
-message was refused and nothing was started (or resumed) for it.
+authenticated, any refusal closes it (policy violation), and so does a later `auth` with a key
+that is not valid. An `error` with an id means the message was refused and nothing was started
+(or resumed) for it.
 """
 
 from __future__ import annotations
@@ -11,16 +12,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from redis.exceptions import RedisError
 
-from gateway.hub import Hub
-from gateway.new_request import start_request
-from gateway.requests import RequestState, RequestTable
-from gateway.resume import ResumeBudget, resume
+from gateway.auth import KeyChecker
+from gateway.metrics import GatewayMetrics
+from gateway.new_request import RequestStarter
+from gateway.request_state import RequestState
+from gateway.requests import RequestTable
+from gateway.resume import Resumer, ResumeBudget
 from gateway.sender import Sender
+from gateway.settings import GatewaySettings
 from gateway.socket_caps import SocketClaim
 from gateway.socket_io import CLOSE_POLICY, SHUTDOWN_REASON, FrameSocket
+from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import (
     Accepted, Auth, Cancel, Generate, Ping, Pong, Resume, decode_frame, error_message, parse_client_message,
@@ -30,10 +36,16 @@ log = logging.getLogger("gateway.connection")
 
 
 class MessageHandler:
-    def __init__(self, hub: Hub, socket: FrameSocket, sender: Sender, requests: RequestTable, *,
-                 key_id: str | None, claim: SocketClaim):
-        self.hub = hub
-        self.s = hub.settings
+    def __init__(self, socket: FrameSocket, sender: Sender, requests: RequestTable, *, settings: GatewaySettings,
+                 metrics: GatewayMetrics, key_checker: KeyChecker, starter: RequestStarter, resumer: Resumer,
+                 submitter: Submitter, draining: Callable[[], bool], key_id: str | None, claim: SocketClaim):
+        self.s = settings
+        self.metrics = metrics
+        self.key_checker = key_checker
+        self.starter = starter
+        self.resumer = resumer
+        self.submitter = submitter
+        self.draining = draining
         self.socket = socket
         self.sender = sender
         self.requests = requests
@@ -70,8 +82,8 @@ class MessageHandler:
                     continue
                 await self._handle(msg)
             except ProtocolError as exc:
-                if self.key_id is None:
-                    await self._refuse(exc)
+                if self.key_id is None or exc.code == ErrorCode.UNAUTHORIZED:
+                    await self._refuse(exc)     # not (or no longer) authenticated: say why, close
                     return
                 self.reject(exc)
             except (RedisError, OSError) as exc:
@@ -94,13 +106,13 @@ class MessageHandler:
 
     async def _refuse(self, exc: ProtocolError) -> None:
         """Unauthenticated: say why, then close (policy violation)."""
-        self.hub.metrics.rejections.labels(exc.code.value).inc()
+        self.metrics.rejections.labels(exc.code.value).inc()
         self.sender.push_final(error_message(exc))
         self.sender.close_after_flush(CLOSE_POLICY, exc.code.value)
         await self.sender.wait(5.0)
 
     def reject(self, exc: ProtocolError) -> None:
-        self.hub.metrics.rejections.labels(exc.code.value).inc()
+        self.metrics.rejections.labels(exc.code.value).inc()
         self.sender.queue(error_message(exc))
 
     # ------------------------------------------------------------------ messages
@@ -111,7 +123,9 @@ class MessageHandler:
         elif isinstance(msg, Cancel):
             await self._cancel(msg)
         elif isinstance(msg, Resume):
-            await resume(self, msg)
+            self.resume_budget.take(msg.id)
+            self.check_new_id(msg.id)
+            await self.resumer.reattach(self.requests, self.key_id, msg, self.accept)
         elif isinstance(msg, Ping):
             self.sender.queue(Pong(nonce=msg.nonce, ts=time.time()))
         elif isinstance(msg, Auth):
@@ -122,12 +136,12 @@ class MessageHandler:
             self._identify(msg.api_key)
 
     def _identify(self, api_key: str) -> None:
-        key_id = self.hub.key_checker.identify(api_key)
+        key_id = self.key_checker.identify(api_key)
         self.claim.identify(key_id)
         self.key_id = key_id
 
     def check_new_id(self, client_id: str) -> None:
-        if self.hub.draining:
+        if self.draining():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, SHUTDOWN_REASON, client_id)
         if client_id in self.requests:
             raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request {client_id!r} is still running on this socket",
@@ -142,7 +156,7 @@ class MessageHandler:
 
     async def _generate(self, msg: Generate) -> None:
         self.check_new_id(msg.id)
-        self.accept(await start_request(self.hub, self.requests, self.key_id, msg))
+        self.accept(await self.starter.start(self.requests, self.key_id, msg))
 
     async def _cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.id)
@@ -151,7 +165,7 @@ class MessageHandler:
         if req.cancel_requested or req.final is not None:
             return
         req.cancel_requested = True
-        owner = await self.hub.submitter.cancel(req.rid)
+        owner = await self.submitter.cancel(req.rid)
         if owner is None:
             # still in the queue: no worker holds it, and the flag (set first) keeps any from
             # starting it, so it ends now instead of when a batch slot frees up

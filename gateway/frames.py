@@ -13,7 +13,7 @@ from shared.errors import RETRYABLE, ErrorCode
 from shared.protocol import Chunk, Done, Usage
 
 if TYPE_CHECKING:
-    from gateway.requests import RequestState
+    from gateway.request_state import RequestState
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 

@@ -1,10 +1,13 @@
-"""Process-wide state of one gateway replica, shared by all its sockets.
+"""Process-wide state of one gateway replica, shared by all its sessions, and where its parts
+are put together.
 
 Holds this replica's random id (`gw_id`: its inbox `p:{g:<gw_id>}:inbox` and liveness entry),
-the Redis clients, the inbox reader, the submitter, admission, metrics, the set of open
-connections, and one housekeeping loop (liveness heartbeat and takeover of dead gateways'
-requests, orphan sweep, concurrency-lease refresh, slow-consumer watchdog). Nothing here is
-needed by another replica: losing the process loses no request.
+the Redis clients, the inbox reader, the submitter, admission, the bookkeeper, metrics, the
+open sessions, and one housekeeping loop (liveness heartbeat and takeover of dead gateways'
+requests, orphan sweep, concurrency-lease refresh, slow-consumer and stall watchdogs). It is
+the composition root: it builds each session's parts with exactly the collaborators they need
+(`websocket_session`, `request_table`); no part receives the hub itself. Nothing here is needed
+by another replica: losing the process loses no request.
 """
 
 from __future__ import annotations
@@ -12,27 +15,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
-
 import uuid
 
 from redis.exceptions import RedisError
 
 from gateway.admission import Admission
 from gateway.auth import KeyChecker, OriginPolicy
+from gateway.bookkeeping import Bookkeeper
+from gateway.connection import Connection
+from gateway.dispatch import MessageHandler
 from gateway.heartbeats import HeartbeatWheel
 from gateway.inbox import Inbox
 from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
+from gateway.new_request import RequestStarter
+from gateway.requests import RequestTable
+from gateway.resume import Resumer
+from gateway.sender import Sender, WakeEvent
+from gateway.session import Session
+from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
-from gateway.socket_caps import SocketCaps
+from gateway.socket_caps import SocketCaps, SocketClaim
+from gateway.socket_io import FrameSocket
 from gateway.submit import Submitter
 from shared.aio import cancel_and_wait
 from shared.redis_client import connect
 from shared.streams import Keys
-
-if TYPE_CHECKING:
-    from gateway.connection import Connection
 
 log = logging.getLogger("gateway")
 
@@ -45,12 +53,8 @@ class Hub:
         self.key_checker = KeyChecker.from_settings(settings)
         self.origins = OriginPolicy(settings.allowed_origins)
         self.socket_caps = SocketCaps(per_key=settings.max_sockets_per_key, per_address=settings.max_sockets_per_address)
-        self.connections: set[Connection] = set()
-        # sockets whose sender task runs (something to send, a request in flight): the only
-        # ones the slow-consumer and stall watchdogs need to look at; idle sockets cost nothing
-        self.busy: set[Connection] = set()
         self.heartbeats = HeartbeatWheel(settings.heartbeat_s)
-        self.draining = False
+        self.sessions = Sessions(self.heartbeats)
         self.gw_id = uuid.uuid4().hex[:16]      # random per process: a restart is a new gateway
         self.redis = None
         self.reader: Inbox | None = None
@@ -62,8 +66,7 @@ class Hub:
         self.redis = connect(s.redis_url, max_connections=64)
         # the inbox reader sits in XREAD BLOCK on its own connection; its read timeout outlasts the block
         self._reader_redis = connect(s.redis_url, socket_timeout=s.inbox_block_ms / 1000 + 10)
-        self.reader = Inbox(self._reader_redis, self.keys.inbox(self.gw_id), block_ms=s.inbox_block_ms,
-                            on_stale=self.metrics.stale_events.inc)
+        self.reader = Inbox(self._reader_redis, self.keys.inbox(self.gw_id), block_ms=s.inbox_block_ms)
         self.submitter = Submitter(self.redis, self.keys, self.gw_id, request_maxlen=s.request_stream_maxlen,
                                    output_ttl_s=s.output_ttl_s, concurrency=s.per_key_concurrency,
                                    rate_per_min=s.per_key_rate_per_min, lease_s=s.concurrency_lease_s)
@@ -71,11 +74,15 @@ class Hub:
                                  grace_s=s.resume_grace_s)
         self.admission = Admission(self.redis, self.keys, max_depth=s.max_queue_depth,
                                    worker_ttl_s=s.worker_ttl_s, cache_ms=s.admission_cache_ms)
+        self.bookkeeper = Bookkeeper(self.submitter, grace_s=s.resume_grace_s)
+        self.starter = RequestStarter(s, self.admission, self.submitter, self.bookkeeper, self.gw_id)
+        self.resumer = Resumer(self.submitter)
         try:
             await self.liveness.beat()
         except (RedisError, OSError) as exc:
             log.warning("first liveness beat failed (%s); housekeeping retries", exc)
         self.reader.start()
+        self.bookkeeper.start()
         self.heartbeats.start()
         self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep(), name="gateway-housekeeping")
         log.info("gateway %s started (inbox %s)", self.gw_id, self.keys.inbox(self.gw_id))
@@ -86,6 +93,7 @@ class Hub:
         if self.reader:
             await self.reader.stop()
         if self.redis:
+            await self.bookkeeper.stop()
             try:
                 await asyncio.wait_for(self.liveness.leave(), 2.0)
             except (RedisError, OSError, asyncio.TimeoutError):
@@ -100,18 +108,33 @@ class Hub:
         except (RedisError, OSError):
             return False
 
-    async def drain(self, timeout: float = 5.0) -> None:
-        """Tell every socket to reconnect elsewhere (SHUTTING_DOWN, close 1012) and wait for them.
+    @property
+    def draining(self) -> bool:
+        return self.sessions.draining
 
-        Their unfinished requests are parked as orphans with the resume grace, so the client can
-        `resume` on another replica, and another replica's sweeper cancels them if it does not.
-        """
-        self.draining = True
-        for conn in list(self.connections):
-            conn.shut_down()
-        deadline = time.monotonic() + timeout
-        while self.connections and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+    @property
+    def connections(self) -> set[Session]:
+        """Every open session (WebSockets and HTTP responses)."""
+        return self.sessions.all
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        await self.sessions.drain(timeout)
+
+    # ---- building a session's parts -------------------------------------------------------------
+
+    def request_table(self, wake: asyncio.Event) -> RequestTable:
+        return RequestTable(wake, reader=self.reader, read_history=self.submitter.read_history,
+                            bookkeeper=self.bookkeeper, metrics=self.metrics, settings=self.settings)
+
+    def websocket_session(self, socket: FrameSocket, *, key_id: str | None, claim: SocketClaim) -> Connection:
+        wake = WakeEvent()       # set whenever the sender has something to do
+        requests = self.request_table(wake)
+        sender = Sender(socket, requests, wake, self.settings, self.metrics)
+        handler = MessageHandler(socket, sender, requests, settings=self.settings, metrics=self.metrics,
+                                 key_checker=self.key_checker, starter=self.starter, resumer=self.resumer,
+                                 submitter=self.submitter, draining=lambda: self.sessions.draining,
+                                 key_id=key_id, claim=claim)
+        return Connection(socket, requests, sender, handler, self.sessions, self.metrics)
 
     async def _housekeep(self) -> None:
         s = self.settings
@@ -121,7 +144,7 @@ class Hub:
             await asyncio.sleep(interval)
             now = time.monotonic()
             stalled: list[str] = []
-            for conn in list(self.busy):
+            for conn in list(self.sessions.busy):
                 conn.check_slow(now)
                 if s.request_stall_s > 0:
                     stalled += conn.end_stalled(now, s.request_stall_s)

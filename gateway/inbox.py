@@ -7,9 +7,9 @@ stream starts, one decode per batch. The per-request history `p:{r:<rid>}:out` i
 resume (gateway.resume).
 
 Each event goes to the subscriber registered for its `rid` through a synchronous callback that
-only buffers (it never awaits), so one slow socket cannot stall the loop. An event whose epoch
-`ep` is lower than the highest seen for that rid came from a stale writer (a worker whose
-request was claimed away) and is dropped.
+only buffers (it never awaits), so one slow socket cannot stall the loop. What of it reaches the
+client (order, duplicates, stale writers' epochs, holes) is the request's join's business
+(gateway.stream_join), not the reader's.
 
 The read position is an explicit entry id, kept across reconnects: after a Redis restart (AOF)
 the loop re-reads from where it stopped, so nothing written while it was away is missed.
@@ -35,18 +35,16 @@ EventCallback = Callable[[dict], None]
 
 class Subscriber:
     """The receiving end of one request's live events on this gateway."""
-    __slots__ = ("rid", "callback", "epoch", "closed")
+    __slots__ = ("rid", "callback", "closed")
 
     def __init__(self, rid: str, callback: EventCallback):
         self.rid = rid
         self.callback = callback
-        self.epoch = 0          # highest writer epoch seen; lower ones are stale
         self.closed = False
 
 
 class Inbox:
-    def __init__(self, redis: aioredis.Redis, key: str, *, block_ms: int = 2000, count: int = 256,
-                 on_stale: Callable[[], None] | None = None):
+    def __init__(self, redis: aioredis.Redis, key: str, *, block_ms: int = 2000, count: int = 256):
         self.redis = redis          # a dedicated client: it sits in XREAD BLOCK
         self.key = key
         self.block_ms = block_ms
@@ -56,8 +54,6 @@ class Inbox:
         self._task: asyncio.Task | None = None
         self.healthy = False
         self.events_delivered = 0
-        self.stale_dropped = 0
-        self._on_stale = on_stale
         self.batches = 0
 
     @property
@@ -71,7 +67,6 @@ class Inbox:
         sub = Subscriber(rid, callback)
         if old is not None:
             old.closed = True
-            sub.epoch = old.epoch
         self._subs[rid] = sub
         return sub
 
@@ -123,13 +118,6 @@ class Inbox:
             sub = self._subs.get(ev.get("rid"))
             if sub is None or sub.closed:
                 continue
-            ep = ev.get("ep") or 0
-            if ep < sub.epoch:
-                self.stale_dropped += 1
-                if self._on_stale is not None:
-                    self._on_stale()
-                continue
-            sub.epoch = ep
             self.events_delivered += 1
             try:
                 sub.callback(ev)

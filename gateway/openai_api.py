@@ -2,11 +2,12 @@
 resumable server-sent-event stream `/v1/streams/{id}` (docs/clients.md).
 
 This module only translates. A request goes through the very lifecycle of a WebSocket one:
-`start_request` (caps, per-key rate and concurrency, admission, submit), a `RequestTable`
-(output events, chunk buffer, concurrency slot, the one `done`), the `Sender` loop (flush
-policy, heartbeats, slow-consumer watchdog, drain) and `reattach` for a resume. What differs is
-the "socket": `OpenAIResponse` plays `FrameSocket`'s part and writes each frame the Sender emits
-as an OpenAI chunk event (`stream: true`) or gathers them into one JSON body (`stream: false`).
+the `RequestStarter` (caps, per-key rate and concurrency, admission, submit), a `RequestTable`
+(output events through the history/live join, chunk buffer, concurrency slot, the one `done`),
+the `Sender` loop (flush policy, heartbeats, slow-consumer watchdog, drain) and the `Resumer`
+for a resume; the response is a session like a socket (gateway.sessions). What differs is the
+"socket": `OpenAIResponse` plays `FrameSocket`'s part and writes each frame the Sender emits as
+an OpenAI chunk event (`stream: true`) or gathers them into one JSON body (`stream: false`).
 
 * Every SSE event carries `id: <seq>`; reconnecting to `GET /v1/streams/{id}` (any replica,
   same API key) with `Last-Event-ID: <seq>` continues exactly after it, as a WebSocket `resume`.
@@ -36,10 +37,10 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import bearer_token
 from gateway.hub import Hub
-from gateway.new_request import start_request
-from gateway.requests import RequestState, RequestTable
-from gateway.resume import reattach
+from gateway.request_state import RequestState
+from gateway.requests import RequestTable
 from gateway.sender import Sender, WakeEvent
+from gateway.sessions import Sessions, StreamingSession
 from gateway.socket_io import SHUTDOWN_REASON
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Accepted, Chunk, Done, Error, Heartbeat, Resume, parse_client_message
@@ -371,34 +372,16 @@ def usage_of(done: Done) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-class _HttpConnection:
-    """What the hub needs of a connection (drain, heartbeat wheel, slow-consumer and stall
-    watchdogs, lease refresh), for one HTTP response."""
+class HttpSession(StreamingSession):
+    """One HTTP response as a session: drained, watched and heartbeaten like a socket."""
 
-    def __init__(self, hub: Hub, out: "OpenAIResponse", requests: RequestTable, wake: WakeEvent):
-        self.hub = hub
-        self.socket = out
-        self.requests = requests
-        self.sender = Sender(out, requests, wake, hub.settings, hub.metrics, on_running=self._sender_running)
-        self.closed = False
+    def __init__(self, out: OpenAIResponse, requests: RequestTable, sender: Sender, sessions: Sessions):
+        super().__init__(out, requests, sender, sessions)
         self.drained = False
-
-    def _sender_running(self, running: bool) -> None:
-        (self.hub.busy.add if running else self.hub.busy.discard)(self)
 
     def shut_down(self) -> None:
         self.drained = True
-        self.sender.push_final(Error(code=ErrorCode.SHUTTING_DOWN, message=SHUTDOWN_REASON, retryable=True))
-        self.sender.close_after_flush(1012, SHUTDOWN_REASON)
-
-    def check_slow(self, now: float) -> None:
-        self.sender.check_slow(now)
-
-    def end_stalled(self, now: float, stall_s: float) -> list[str]:
-        return [req.rid for req in self.requests.end_stalled(now, stall_s)]
-
-    def held_slots(self) -> list[tuple[str, str]]:
-        return self.requests.held_slots()
+        super().shut_down()
 
 
 class RunRequest(Response):
@@ -414,11 +397,10 @@ class RunRequest(Response):
         hub, req = self.hub, self.req
         out = OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
                              include_usage=self.include_usage, role_chunk=req.seq == 0)
-        conn = _HttpConnection(hub, out, self.requests, self.wake)
-        sender = conn.sender
-        hub.connections.add(conn)
-        if self.stream:      # keep-alive comments on a quiet stream, from the process-wide wheel
-            hub.heartbeats.add(conn, out.last_send + hub.settings.heartbeat_s)
+        sender = Sender(out, self.requests, self.wake, hub.settings, hub.metrics)
+        conn = HttpSession(out, self.requests, sender, hub.sessions)
+        # keep-alive comments on a quiet stream, from the process-wide wheel
+        hub.sessions.open(conn, heartbeats=self.stream)
         disconnect = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         ended = asyncio.get_running_loop().create_task(out.ended.wait())
         gone = False
@@ -435,13 +417,9 @@ class RunRequest(Response):
             if gone and out.done is None and not conn.drained and not self.resumable:
                 await self._cancel()             # nobody is listening and nobody will come back
         finally:
-            conn.closed = True
             disconnect.cancel()
             ended.cancel()
-            await sender.stop()
-            hub.busy.discard(conn)
-            await self.requests.release_all()    # a resumable or drained request is parked for a resume
-            hub.connections.discard(conn)
+            await conn.end()      # a resumable or drained request is parked for a resume
         if gone:
             return
         if self.stream:
@@ -506,9 +484,9 @@ async def _generate(request: Request, chat: bool) -> Response:
         except ProtocolError as exc:
             raise APIError(400, exc.message, code=exc.code.value) from None
         wake = WakeEvent()
-        requests = RequestTable(hub, wake)
+        requests = hub.request_table(wake)
         try:
-            req = await start_request(hub, requests, key_id, msg, rid=rid)
+            req = await hub.starter.start(requests, key_id, msg, rid=rid)
         except ProtocolError as exc:
             hub.metrics.rejections.labels(exc.code.value).inc()
             raise APIError.from_code(exc.code, exc.message) from None
@@ -548,9 +526,9 @@ async def resume_stream(request: Request) -> Response:
         except ValidationError:   # not even shaped like a request id: the same answer as an unknown one
             raise APIError.from_code(ErrorCode.RESUME_EXPIRED, f"no retained output for {oai_id!r}") from None
         wake = WakeEvent()
-        requests = RequestTable(hub, wake)
+        requests = hub.request_table(wake)
         try:
-            req = await reattach(hub, requests, key_id, msg, accept=lambda r: None)   # accepted by RunRequest
+            req = await hub.resumer.reattach(requests, key_id, msg, accept=lambda r: None)   # accepted by RunRequest
         except ProtocolError as exc:
             raise APIError.from_code(exc.code, exc.message) from None
         except (RedisError, OSError):

@@ -15,10 +15,11 @@ Joining history and live without a gap (docs/transport.md):
    on every worker that writes rid routes its live events here;
 3. send `attach` to the owner, which flushes, then writes the marker "everything <= S is in
    the history" into our inbox (a worker that takes rid later sends a marker too, as att > 0);
-4. on the marker: read the history after `last_seq`, feed it, then the held live events,
-   deduplicated by seq (gateway.requests). With no owner the history is read at once (a
-   finished request completes from it); with no marker within `ATTACH_RETRY_S` the attach is
-   re-sent to the then-current owner and the history read again (the owner may have changed).
+4. on the marker: the request's join (gateway.stream_join) reads the history after
+   `last_seq`, delivers it, then the held live events, deduplicated by seq. With no owner the
+   history is read at once (a finished request completes from it); with no marker within
+   `ATTACH_RETRY_S` the attach is re-sent to the then-current owner and the history read again
+   (the owner may have changed).
 The per-key concurrency slot stays with the request: a resume takes no new one.
 """
 
@@ -27,19 +28,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from redis.exceptions import RedisError
 
 from gateway.auth import may_resume
+from gateway.request_state import RequestState
+from gateway.requests import RequestTable
+from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Resume
 from shared.streams import META_KEY
-
-if TYPE_CHECKING:
-    from gateway.dispatch import MessageHandler
-    from gateway.hub import Hub
-    from gateway.requests import RequestState, RequestTable
 
 log = logging.getLogger("gateway.resume")
 
@@ -69,54 +68,50 @@ class ResumeBudget:
                                                         "on one socket", cid)
 
 
-async def resume(handler: MessageHandler, msg: Resume) -> None:
-    handler.resume_budget.take(msg.id)
-    handler.check_new_id(msg.id)
-    await reattach(handler.hub, handler.requests, handler.key_id, msg, handler.accept)
+class Resumer:
+    def __init__(self, submitter: Submitter):
+        self.submitter = submitter
 
+    async def reattach(self, requests: RequestTable, key_id: str, msg: Resume,
+                       accept: Callable[[RequestState], None]) -> RequestState:
+        """Open `msg.id` in `requests` again and join its history after `msg.last_seq` with live
+        output; `accept` tells the client (transport-specific) before the history is fed."""
+        cid = msg.id
+        rid = msg.request_id      # required by the schema: the 128-bit secret from `accepted`
+        meta = await self.submitter.lookup(rid)
+        if meta is None or not may_resume(meta.get(META_KEY), key_id):
+            # the same answer whether the id is unknown or another key's: no hint that it exists
+            raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
+        req = requests.open(cid, rid, key_id, skip_seq=msg.last_seq, resumed=True)
+        try:
+            req.att, owner, _ = await self.submitter.attach(rid)
+        except (RedisError, OSError):
+            requests.drop(req)
+            raise
+        req.slot_held = True
+        accept(req)
+        if owner is None:
+            requests.read_now(req)   # nobody runs it now: the history is all there is so far
+        self._schedule_retry(requests, req)
+        return req
 
-async def reattach(hub: Hub, requests: RequestTable, key_id: str, msg: Resume,
-                   accept: Callable[[RequestState], None]) -> RequestState:
-    """Open `msg.id` in `requests` again and join its history after `msg.last_seq` with live
-    output; `accept` tells the client (transport-specific) before the history is fed."""
-    cid = msg.id
-    rid = msg.request_id      # required by the schema: the 128-bit secret from `accepted`
-    meta = await hub.submitter.lookup(rid)
-    if meta is None or not may_resume(meta.get(META_KEY), key_id):
-        # the same answer whether the id is unknown or another key's: no hint that it exists
-        raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
-    req = requests.open(cid, rid, key_id, skip_seq=msg.last_seq, resumed=True)
-    try:
-        req.att, owner, _ = await hub.submitter.attach(rid)
-    except (RedisError, OSError):
-        requests.drop(req)
-        raise
-    req.slot_held = True
-    accept(req)
-    if owner is None:
-        requests.catch_up(req)       # nobody runs it now: the history is all there is so far
-    _schedule_retry(requests, req)
-    return req
+    def _schedule_retry(self, requests: RequestTable, req: RequestState) -> None:
+        loop = asyncio.get_running_loop()
+        req.attach_timer = loop.call_later(
+            ATTACH_RETRY_S, lambda: loop.create_task(self._retry_attach(requests, req)))
 
-
-def _schedule_retry(requests: RequestTable, req: RequestState) -> None:
-    req.attach_timer = asyncio.get_running_loop().call_later(
-        ATTACH_RETRY_S, lambda: asyncio.get_running_loop().create_task(_retry_attach(requests, req)))
-
-
-async def _retry_attach(requests: RequestTable, req: RequestState) -> None:
-    """No marker yet: the owner may have changed or died. Ask the current owner again and read
-    the history meanwhile (live events stay held until a marker comes)."""
-    req.attach_timer = None
-    if not req.attaching or req.finished:
-        return
-    submitter = requests.hub.submitter
-    try:
-        owner = await submitter.owner(req.rid)
-        if owner:
-            await submitter.send_attach(req.rid, owner, req.att)
-    except (RedisError, OSError) as exc:
-        log.warning("re-attach of %s failed: %s", req.rid, exc)
-    requests.catch_up(req)
-    if req.attaching and not req.finished:
-        _schedule_retry(requests, req)
+    async def _retry_attach(self, requests: RequestTable, req: RequestState) -> None:
+        """No marker yet: the owner may have changed or died. Ask the current owner again and
+        read the history meanwhile (live events stay held until a marker comes)."""
+        req.attach_timer = None
+        if not req.join.attaching or req.finished:
+            return
+        try:
+            owner = await self.submitter.owner(req.rid)
+            if owner:
+                await self.submitter.send_attach(req.rid, owner, req.att)
+        except (RedisError, OSError) as exc:
+            log.warning("re-attach of %s failed: %s", req.rid, exc)
+        requests.read_now(req)
+        if req.join.attaching and not req.finished:
+            self._schedule_retry(requests, req)

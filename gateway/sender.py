@@ -28,7 +28,8 @@ from starlette.websockets import WebSocketDisconnect
 
 from gateway.frames import chunk_frame
 from gateway.metrics import GatewayMetrics
-from gateway.requests import RequestState, RequestTable
+from gateway.request_state import RequestState
+from gateway.requests import RequestTable
 from gateway.settings import GatewaySettings
 from gateway.socket_io import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, FrameSocket, Payload
 from shared.aio import cancel_and_wait, wait_event
@@ -53,7 +54,7 @@ class WakeEvent(asyncio.Event):
 
 class Sender:
     def __init__(self, socket: FrameSocket, requests: RequestTable, wake: WakeEvent, settings: GatewaySettings,
-                 metrics: GatewayMetrics, on_running=lambda running: None):
+                 metrics: GatewayMetrics):
         self.socket = socket
         self.requests = requests
         self.s = settings
@@ -69,7 +70,7 @@ class Sender:
         self._stopped = False
         self._over = False          # the socket was closed, aborted or failed: nothing more goes out
         self._heartbeat_due = False
-        self._on_running = on_running   # told when the sender task starts and ends (hub.busy)
+        self.on_running = lambda running: None   # told when the sender task starts and ends (Sessions.busy)
         wake.on_set = self._ensure_running
 
     # ------------------------------------------------------------------ task
@@ -80,7 +81,7 @@ class Sender:
             return
         self._task = asyncio.get_running_loop().create_task(self._send_loop())
         self._task.add_done_callback(self._ended)
-        self._on_running(True)
+        self.on_running(True)
 
     def heartbeat(self) -> None:
         """Called by the heartbeat wheel: nothing was sent for HEARTBEAT_S."""
@@ -102,7 +103,7 @@ class Sender:
 
     def _ended(self, task: asyncio.Task) -> None:
         if task is self._task:      # (a newer task may already run: it stays busy)
-            self._on_running(False)
+            self.on_running(False)
         if task.cancelled() or task.exception() is None or self._stopped:
             return
         exc = task.exception()
@@ -242,7 +243,7 @@ class Sender:
         if req.buffer.due(now) or (req.final is not None and not req.buffer.empty):
             await self._send_chunk(req, req.buffer.take(now))
         if req.final is not None and req.buffer.empty and not req.finished:
-            await self.socket.send(await self.requests.finish(req))
+            await self.socket.send(self.requests.finish(req))      # no Redis here: bookkeeping is queued
 
     async def _send_chunk(self, req: RequestState, pending) -> None:
         m = self.metrics

@@ -71,8 +71,10 @@ class Submitter:
 
     # ------------------------------------------------------------------ submit
 
-    async def submit(self, entry: RequestEntry) -> None:
-        """Rate limit + concurrency lease + XADD in one round trip; ProtocolError when refused."""
+    async def submit(self, entry: RequestEntry, *, release: list[str] = ()) -> None:
+        """Rate limit + concurrency lease + XADD in one round trip; ProtocolError when refused.
+        `release`: leases of the same key that ended here and are not yet released (the
+        bookkeeper's queue), released first in the same round trip."""
         key_id, rid = entry.key_id, entry.rid
         minute = int(time.time() // 60)
         lua_keys = [self.keys.rate(key_id, minute), self.keys.conc(key_id), self.keys.requests]
@@ -81,6 +83,8 @@ class Submitter:
             self._sha = await self.redis.script_load(SUBMIT_LUA)
         for attempt in range(2):
             async with self.redis.pipeline(transaction=False) as pipe:
+                if release and self.concurrency > 0:
+                    pipe.zrem(self.keys.conc(key_id), *release)     # same slot {q}: runs first
                 # execute_command: redis-py's cluster pipeline refuses its evalsha() helper, but
                 # routes a raw EVALSHA by its keys like any other command
                 pipe.execute_command("EVALSHA", self._sha, len(lua_keys), *lua_keys, *lua_args)
@@ -88,6 +92,8 @@ class Submitter:
                 pipe.expire(self.keys.meta(rid), self.ttl)
                 pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)
                 results = await pipe.execute(raise_on_error=False)
+            if release and self.concurrency > 0:
+                results = results[1:]
             verdict = results[0]
             if isinstance(verdict, NoScriptError) and attempt == 0:   # Redis restarted without it
                 self._sha = await self.redis.script_load(SUBMIT_LUA)
@@ -121,10 +127,19 @@ class Submitter:
 
     # ------------------------------------------------------------------ leases
 
-    async def release(self, key_id: str, rid: str) -> None:
-        """End a request's lease where no worker will (a request finished by the gateway itself)."""
-        if self.concurrency > 0:
-            await self.redis.zrem(self.keys.conc(key_id), rid)
+    async def end_requests(self, releases: dict[str, set[str] | list[str]], left: list[str]) -> None:
+        """Requests that ended on this replica: release their concurrency leases ({key_id: rids};
+        the worker does too, with the final event; a request ended here by a cancel or a stall
+        has no worker release at all; ZREM twice is harmless) and take `left` out of this
+        gateway's `reqs` set. One round trip for the whole batch."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if self.concurrency > 0:
+                for key_id, rids in releases.items():
+                    if rids:
+                        pipe.zrem(self.keys.conc(key_id), *rids)
+            if left:
+                pipe.srem(self.keys.gw_reqs(self.gw_id), *left)
+            await pipe.execute()
 
     async def refresh_leases(self, held: dict[str, list[str]]) -> None:
         """Extend the leases of unfinished requests served by this replica (XX: never re-add one
@@ -140,11 +155,6 @@ class Submitter:
             await pipe.execute()
 
     # ------------------------------------------------------------------ requests this replica serves
-
-    async def done_here(self, rids: list[str]) -> None:
-        """Requests that ended (or moved away) on this replica leave its `reqs` set."""
-        if rids:
-            await self.redis.srem(self.keys.gw_reqs(self.gw_id), *rids)
 
     # ------------------------------------------------------------------ cancel
 

@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     WORKER_LOST = "worker_lost"                # the worker died and the request could not be replayed
     BACKEND_UNAVAILABLE = "backend_unavailable"  # Redis unreachable
     OUTPUT_WRITE_FAILED = "output_write_failed"  # Redis kept refusing the worker's output (e.g. out of memory)
+    OUTPUT_LOST = "output_lost"                # part of the output can no longer be delivered (history lost)
     RESUME_EXPIRED = "resume_expired"          # output no longer retained
     SLOW_CONSUMER = "slow_consumer"
     STALLED = "stalled"                        # no output for REQUEST_STALL_S: the worker went silent
@@ -40,7 +41,8 @@ class ErrorCode(StrEnum):
 # Codes after which sending the same request again may succeed.
 RETRYABLE = frozenset({
     ErrorCode.RATE_LIMITED, ErrorCode.CONCURRENCY_LIMIT, ErrorCode.OVERLOADED,
-    ErrorCode.WORKER_LOST, ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.OUTPUT_WRITE_FAILED, ErrorCode.SHUTTING_DOWN,
+    ErrorCode.WORKER_LOST, ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.OUTPUT_WRITE_FAILED, ErrorCode.OUTPUT_LOST,
+    ErrorCode.SHUTTING_DOWN,
     ErrorCode.SLOW_CONSUMER, ErrorCode.INTERNAL,
     ErrorCode.STALLED, ErrorCode.TOO_MANY_SOCKETS,
 })

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
 import msgpack
 import pytest
+import redis.asyncio as aioredis
 import websockets
 
 from gateway.auth import hash_key
-from shared.streams import Keys
+from shared.streams import Keys, RequestEntry
 from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, read_until_reset, send_until_blocked
 from tests.stack_fixtures import gateway_in_process, gateway_settings
 
@@ -329,8 +332,11 @@ async def test_a_request_without_progress_ends_stalled_and_retryable(redis_serve
         assert done["error"]["code"] == "stalled" and done["error"]["retryable"] is True
         assert 0.5 <= waited < 5, waited
         assert gw.hub.metrics.stalled._value.get() == 1
-        assert await redis_client.exists(Keys(stream_prefix).cancel(rid))     # a late worker will not run it
-        assert await redis_client.zscore(Keys(stream_prefix).conc(key_id), rid) is None   # its slot is free
+        # a late worker will not run it (the cancel is written by housekeeping, beside the `done`)
+        assert await eventually(lambda: redis_client.exists(Keys(stream_prefix).cancel(rid)), timeout=5)
+        async def slot_free() -> bool:
+            return await redis_client.zscore(Keys(stream_prefix).conc(key_id), rid) is None
+        assert await eventually(slot_free, timeout=5)       # its slot is free (bookkeeping, beside the `done`)
         await assert_alive(c)
         await c.close()
 
@@ -438,3 +444,56 @@ async def test_admission_admits_exactly_max_queue_depth(redis_server, stream_pre
             assert {r["code"] for r in replies[3:]} == {"overloaded"}
             assert await redis_client.xlen(Keys(prefix).requests) == 3
             await c.close()
+
+
+async def test_a_stalled_redis_does_not_hold_up_a_sockets_streams_or_its_done(tmp_path):
+    """Nothing in a socket's send path waits on Redis: with Redis frozen (SIGSTOP) right after
+    the gateway read a batch of live events, the socket still gets request A's tokens and its
+    `done`, and request B's tokens behind it; B ends once Redis is back."""
+    from shared.localredis import LocalRedis
+    from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, encode_done, encode_tok, pack_event_list
+    server = LocalRedis().start()
+    redis = aioredis.from_url(server.url)
+    keys = Keys("stall")
+    try:
+        await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+        await silent_worker(redis, "stall")
+        settings = gateway_settings(server.url, "stall", per_key_concurrency=4, flush_interval_ms=0)
+        async with gateway_in_process(settings) as gw:
+            c = await GatewayClient.connect(gw.ws_url)
+            for cid in ("A", "B"):
+                await c.send(type="generate", id=cid, prompt="x", max_tokens=8)
+                assert (await c.recv(cid))["type"] == "accepted"
+            got = await redis.xreadgroup(CONSUMER_GROUP, "fake", {keys.requests: ">"}, count=2)
+            entries = [RequestEntry.decode(f[ENTRY_FIELD]) for _, f in got[0][1]]
+            rid = {("A", "B")[i]: e.rid for i, e in enumerate(entries)}   # submitted in this order
+            gw_id = entries[0].gw
+            batch = [encode_tok(rid["A"], 3, [1, 2, 3], "abc", 1, 0), encode_done(rid["A"], 3, "length", 1, 3, 1, 0),
+                     encode_tok(rid["B"], 2, [4, 5], "de", 1, 0)]
+            # (no history needed: the live events join up on their own)
+            await redis.xadd(keys.inbox(gw_id), {ENTRY_FIELD: pack_event_list(batch)})
+            # Redis answers a blocked XREAD in the same pass as the XADD that wakes it: by the
+            # time our XADD's reply is here, the gateway's batch is on its socket
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                chunks, done = await c.until_done("A", timeout=5)
+                assert "".join(ch["text"] for ch in chunks) == "abc" and done["finish_reason"] == "length"
+                assert done["seq"] == 3
+                chunk_b = await c.recv("B", timeout=5)
+                assert chunk_b["type"] == "chunk" and chunk_b["text"] == "de" and chunk_b["seq"] == 2
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            await redis.xadd(keys.inbox(gw_id), {ENTRY_FIELD: pack_event_list(
+                [encode_done(rid["B"], 2, "stop", 1, 2, 1, 0)])})
+            _, done_b = await c.until_done("B", timeout=10)
+            assert done_b["type"] == "done" and done_b["seq"] == 2
+            # the bookkeeping held back while Redis was frozen is written once it is back
+            async def left_our_set() -> bool:
+                return not await redis.sismember(keys.gw_reqs(gw_id), rid["A"])
+            assert await eventually(left_our_set, timeout=15)
+            await c.close()
+    finally:
+        if server.proc is not None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        await redis.aclose()
+        server.stop()

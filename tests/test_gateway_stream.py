@@ -147,8 +147,8 @@ async def test_a_first_token_that_beats_accepted_does_not_freeze_the_gateway(mak
     async with gateway_in_process(make_settings(flush_interval_ms=30)) as gw:
         real_submit = gw.hub.submitter.submit
 
-        async def slow_reply(entry):
-            await real_submit(entry)
+        async def slow_reply(entry, **kwargs):
+            await real_submit(entry, **kwargs)
             await asyncio.sleep(0.5)     # the reply is late: the worker's first tokens arrive first
 
         gw.hub.submitter.submit = slow_reply

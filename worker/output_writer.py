@@ -23,10 +23,17 @@ One `commit(states)` = at most three round trips, whatever the number of request
    fenced writer's events never reach a client even before the gateway sees the newer epoch.
    A live copy lost to a connection error is re-sent with the next commit; gateways
    de-duplicate by seq.
+   The same pipeline first releases the concurrency lease (`p:{q}:conc:<key_id>`, ZREM) of
+   every request whose final event round trip 1 confirmed: a gateway sends `done` without
+   waiting on Redis, and a client that receives it may start its next request at once, on any
+   gateway, so its slot must be free before the final can reach any gateway. (On a Redis
+   Cluster the lease and the inbox live on different nodes and the two commands may land in
+   either order; the ack below releases it again.)
 3. only when finals were confirmed: one MULTI on slot {q} with XACK + ZREM of the request's
-   concurrency lease (`p:{q}:conc:<key_id>`) for each of them (and dead-letter XADDs), so the
-   lease is released exactly when the request ends. It runs after round trip 1 because an ack
-   must never precede the final event in history, and the two are in different slots.
+   concurrency lease for each of them (and dead-letter XADDs), so the lease is released
+   whenever the request ends, also where round trip 2 failed. It runs after round trip 1
+   because an ack must never precede the final event in history, and the two are in different
+   slots.
 
 Failures: a transient error (connection lost) raises, nothing is dropped, the caller retries
 with backoff. A request whose write Redis refuses (e.g. OOM under `maxmemory` + `noeviction`)
@@ -189,8 +196,9 @@ class OutputWriter:
                 if st.rid in markers:
                     events.append(markers[st.rid])
                 events.extend(f.payload for f in confirmed.get(st.rid, ()))
-        if live or self._live_backlog:
-            await self._write_live(live)
+        ended = [st for st in states if st.final_written and st.rid in confirmed and st.key_id]
+        if live or self._live_backlog or ended:
+            await self._write_live(live, ended)
         for st in states:
             if st.rid in markers:
                 st.marker_att = None
@@ -254,13 +262,16 @@ class OutputWriter:
         info = await self.redis.info("cluster")
         return str(info.get("cluster_enabled", 0)) == "1"
 
-    async def _write_live(self, live: dict[str, list[bytes]]) -> None:
-        """One inbox XADD per gateway. A connection error keeps the copies for the next commit
+    async def _write_live(self, live: dict[str, list[bytes]], ended: list[InFlight] = ()) -> None:
+        """One inbox XADD per gateway, after releasing the leases of the requests in `ended`
+        (their final is in history now). A connection error keeps the copies for the next commit
         (history already has them); a refusal (OOM) drops them: a resume reads the history."""
         for gw, payloads in live.items():
             self._live_backlog.setdefault(gw, []).extend(payloads)
         backlog, now = self._live_backlog, time.monotonic()
         async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S), self.redis.pipeline(transaction=False) as pipe:
+            for st in ended:
+                pipe.zrem(self.keys.conc(st.key_id), st.rid)
             for gw, payloads in backlog.items():
                 inbox = self.keys.inbox(gw)
                 pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)

@@ -1,0 +1,50 @@
+"""One request as one session (a WebSocket or an HTTP response) serves it: its ids, its join of
+history and live output (gateway.stream_join), its chunk buffer and its timings.
+
+Kept apart from the table that drives it (gateway.requests) so the frame builders and the
+sender can name it without importing the table, and the table without importing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway.flusher import ChunkBuffer
+from gateway.inbox import Subscriber
+from gateway.stream_join import StreamJoin
+
+
+class RequestState:
+    __slots__ = ("client_id", "rid", "key_id", "buffer", "sub", "join", "seq", "accepted", "started",
+                 "first_sent", "last_sent", "att", "cancel_requested", "cancel_timer", "resumed", "slot_held",
+                 "finished", "attach_timer", "progress_at", "stale_seen")
+
+    def __init__(self, client_id: str, rid: str, key_id: str, buffer: ChunkBuffer, *, skip_seq: int = 0,
+                 resumed: bool = False):
+        self.client_id = client_id
+        self.rid = rid
+        self.key_id = key_id
+        self.buffer = buffer
+        self.sub: Subscriber | None = None
+        # resume: the client has tokens up to skip_seq; live events wait for the attach marker
+        self.join = StreamJoin(skip_seq, attaching=resumed)
+        self.seq = skip_seq          # last token seq sent to the client
+        self.accepted = False
+        self.started = time.monotonic()
+        self.first_sent: float | None = None
+        self.last_sent: float | None = None
+        self.att = 0                 # attach counter this session holds (meta.att after its resume)
+        self.cancel_requested = False
+        self.cancel_timer: asyncio.TimerHandle | None = None
+        self.resumed = resumed
+        self.slot_held = False       # this replica refreshes the request's concurrency lease
+        self.finished = False
+        self.attach_timer: asyncio.TimerHandle | None = None
+        self.progress_at = self.started  # last event of any kind for this request (stall watchdog)
+        self.stale_seen = 0          # stale-writer events the join dropped, already counted in metrics
+
+    @property
+    def final(self) -> dict | None:
+        """The request's final event (from a worker, from the join on a gap, or made here)."""
+        return self.join.final

@@ -1,0 +1,192 @@
+"""History then live, exact by `seq`, fenced by epoch: how one request's output reaches one client.
+
+Why a class of its own: the exactly-once promise to a client rests on this one rule, and it must
+be testable on its own, without Redis, sockets or timers (Centrifugo's `recovery` package is
+the model: buffer live, read history, merge by position, drop duplicates, and refuse to paper
+over a gap). The request table (gateway.requests) drives it; the worker fault tests check the
+workers' output through it too.
+
+What it is given: live events from this gateway's inbox (`live`), attach markers (`marker`), and
+the history reads it asks for (`wants_read` -> `start_read()` -> `history(events)`). What it
+gives back: the events to deliver, in order: token events that continue exactly after the last
+delivered token, then at most one final event (`done` / `err`).
+
+The rules (docs/transport.md):
+* A token event covers tokens `seq-n+1 .. seq`. One that ends at or before the last delivered
+  token is a duplicate (history and live overlap; a retried write) and is dropped. One that
+  starts right after it is delivered. One that starts further on is held and the history is
+  read, then the held events are offered again. One that starts before and ends after the last
+  delivered token cannot be split: that is a gap.
+* A final whose `seq` is beyond the last delivered token waits for those tokens the same way.
+* An event whose epoch `ep` is below the highest seen came from a stale writer (a worker whose
+  request another worker took over) and is dropped.
+* While attaching (a resume), live events are held until the worker's marker says where the
+  history ends; a read that completes while still attaching delivers history only.
+* Workers write an event to the history before its live copy, so a history read that starts
+  after a held event arrived must contain everything before it. If it does not, the history has
+  lost those tokens (trimmed, expired, a failover to a replica that lagged): the join ends with
+  a gap, and the request ends with the retryable `output_lost` error, never with a silent jump.
+  So does a history that cannot be read at all (`history(None)`). The join makes that error
+  event itself and delivers it as the final, so every way a stream ends comes out of `final`.
+"""
+
+from __future__ import annotations
+
+from shared.errors import ErrorCode
+from shared.streams import FINAL_KINDS
+
+
+class StreamJoin:
+    __slots__ = ("delivered", "epoch", "final", "gap", "attaching", "reading", "wants_read", "stale",
+                 "_held", "_reads_started", "_reads_done")
+
+    def __init__(self, delivered: int = 0, *, attaching: bool = False):
+        self.delivered = delivered     # last token seq handed out (a resume: what the client has)
+        self.epoch = 0                 # highest writer epoch seen
+        self.final: dict | None = None
+        self.gap: str | None = None    # why the stream cannot go on exactly (then it has ended)
+        self.attaching = attaching
+        self.reading = False           # a history read is in flight
+        self.wants_read = False        # the caller should start a history read
+        self.stale = 0                 # events dropped as a stale writer's
+        self._held: list[tuple[int, dict]] = []   # (reads started when it was held, event)
+        self._reads_started = self._reads_done = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.final is not None or self.gap is not None
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def live(self, ev: dict) -> list[dict]:
+        """A live event from the inbox; returns what to deliver now."""
+        if self.ended or self._stale(ev):
+            return []
+        if self.attaching or self.reading:
+            self._hold(ev)
+            return []
+        out: list[dict] = []
+        self._offer(ev, out, self._reads_started)
+        return out
+
+    def marker(self) -> None:
+        """The worker's attach marker: everything before it is in the history; read it."""
+        if self.attaching and not self.ended:
+            self.attaching = False
+            self.wants_read = True
+
+    def start_read(self) -> int:
+        """The caller starts a history read of everything after the returned seq."""
+        self.reading = True
+        self.wants_read = False
+        self._reads_started += 1
+        return self.delivered
+
+    def history(self, events: list[dict] | None) -> list[dict]:
+        """The result of the read in flight: every history event after `start_read()`'s seq, in
+        order, or None when the history could not be read. Returns what to deliver now."""
+        self.reading = False
+        self._reads_done += 1
+        out: list[dict] = []
+        if self.ended:
+            return out
+        if events is None:
+            self._lose("the request's history could not be read", out)
+            return out
+        for ev in events:
+            if self.ended:
+                break
+            if ev.get("k") in FINAL_KINDS or ev.get("k") == "tok":
+                self._note_epoch(ev)
+                self._take(ev, out, from_history=True)
+        if not self.attaching:
+            held, self._held = self._held, []
+            for stamp, ev in held:
+                if self.ended:
+                    break
+                self._offer(ev, out, stamp)
+        return out
+
+    def end_here(self, final: dict) -> bool:
+        """The gateway ends the request itself (cancel fallback, stall); False if it had ended."""
+        if self.ended:
+            return False
+        self.final = final
+        return True
+
+    # ---- the rules --------------------------------------------------------------------------
+
+    def _stale(self, ev: dict) -> bool:
+        ep = int(ev.get("ep") or 0)
+        if ep < self.epoch:
+            self.stale += 1
+            return True
+        self.epoch = ep
+        return False
+
+    def _note_epoch(self, ev: dict) -> None:
+        self.epoch = max(self.epoch, int(ev.get("ep") or 0))
+
+    def _hold(self, ev: dict, stamp: int | None = None) -> None:
+        self._held.append((self._reads_started if stamp is None else stamp, ev))
+
+    def _offer(self, ev: dict, out: list[dict], stamp: int) -> None:
+        """A live (or held) event: deliver it, drop it, or hold it for a history read."""
+        if self._reaches(ev):
+            self._take(ev, out, from_history=False)
+        elif stamp < self._reads_done:
+            # a read that started after this event arrived (reads run one at a time) has
+            # completed without bringing what comes before it
+            kind = "final" if ev.get("k") in FINAL_KINDS else f"tokens {_first(ev)}-{ev.get('seq')}"
+            self._lose(f"tokens {self.delivered + 1}-{_first(ev) - 1} are missing from the request's history "
+                       f"(before the {kind})", out)
+        else:
+            self._hold(ev, stamp)
+            self.wants_read = True
+
+    def _reaches(self, ev: dict) -> bool:
+        """Nothing lies between what was delivered and this event."""
+        return _first(ev) <= self.delivered + 1
+
+    def _take(self, ev: dict, out: list[dict], *, from_history: bool) -> None:
+        kind = ev.get("k")
+        seq = int(ev.get("seq") or 0)
+        if kind == "tok":
+            if seq <= self.delivered:
+                return                                      # a duplicate
+            first = _first(ev)
+            if first <= self.delivered:
+                self._lose(f"an event with tokens {first}-{seq} overlaps the {self.delivered} tokens already "
+                           "delivered and cannot be split", out)
+            elif first > self.delivered + 1:
+                if from_history:    # the history itself skips tokens
+                    self._lose(f"tokens {self.delivered + 1}-{first - 1} are missing from the request's history", out)
+                return
+            else:
+                self.delivered = seq
+                out.append(ev)
+        elif kind in FINAL_KINDS:
+            if seq > self.delivered:
+                if from_history:
+                    self._lose(f"tokens {self.delivered + 1}-{seq} are missing from the request's history "
+                               "(before its final event)", out)
+                return
+            self.final = ev
+            out.append(ev)
+
+
+    def _lose(self, why: str, out: list[dict]) -> None:
+        """The stream cannot go on exactly: end it with a retryable error after what was delivered."""
+        self.gap = why
+        self.final = {"k": "err", "seq": self.delivered, "code": ErrorCode.OUTPUT_LOST.value, "retryable": True,
+                      "message": f"part of the output can no longer be delivered ({why}); send the request again",
+                      "local": True}
+        out.append(self.final)
+
+
+def _first(ev: dict) -> int:
+    """The first token seq an event covers (a final covers none: the one after its seq)."""
+    seq = int(ev.get("seq") or 0)
+    if ev.get("k") == "tok":
+        return seq - int(ev.get("n") or 0) + 1
+    return seq + 1
