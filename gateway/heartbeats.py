@@ -47,9 +47,10 @@ class HeartbeatWheel:
         return math.ceil(t / self.tick_s - 1e-9)
 
     def add(self, session: Session, due: float) -> None:
-        """Look at `session` again at monotonic time `due` (in the first bucket not before it)."""
+        """Look at `session` again at monotonic time `due` (in the first bucket not before it,
+        give or take EARLY_S: a heartbeat due just after a tick goes out with that tick)."""
         if self.enabled:
-            self._buckets[max(self._slot(due), self._next_slot)].append(session)
+            self._buckets[max(self._slot(due - EARLY_S), self._next_slot)].append(session)
 
     def start(self) -> None:
         if self.enabled:

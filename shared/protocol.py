@@ -24,7 +24,7 @@ JSON_SUBPROTOCOL = "llm-stream.json"
 MSGPACK_SUBPROTOCOL = "llm-stream.msgpack"
 SUBPROTOCOLS = (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL)
 
-ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")   # used with fullmatch: `$` would allow a trailing "\n"
 REQUEST_ID_PATTERN = r"^[0-9a-f]{32}$"     # the server's request id: 128 random bits, hex
 MAX_NONCE_CHARS = 64
 MAX_NONCE_INT = 2**53                       # what every JSON parser represents exactly
@@ -46,7 +46,7 @@ class _ClientMsg(_Msg):
 
 
 def _check_id(value: str) -> str:
-    if not ID_PATTERN.match(value):
+    if not ID_PATTERN.fullmatch(value):
         raise ValueError("id must be 1-64 characters of letters, digits, '_', '.', ':' or '-'")
     return value
 
@@ -211,7 +211,7 @@ def decode_frame(frame: str | bytes, *, max_bytes: int) -> dict:
 
 def _valid_id(obj: dict) -> str | None:
     value = obj.get("id")
-    return value if isinstance(value, str) and ID_PATTERN.match(value) else None
+    return value if isinstance(value, str) and ID_PATTERN.fullmatch(value) else None
 
 
 def _check_unicode(frame_obj: dict) -> None:
@@ -236,7 +236,8 @@ def parse_client_message(obj: dict) -> Generate | Cancel | Resume | Ping | Auth:
     """Validate a decoded frame. Raises ProtocolError with the most specific code it can."""
     # echo the id only when it is a valid one: an error must not carry (amplify) arbitrary input
     rid = _valid_id(obj)
-    if "v" in obj and obj["v"] != PROTOCOL_VERSION:
+    # strict like every other field: `true` and `1.0` equal 1 in Python but are not the integer 1
+    if "v" in obj and (type(obj["v"]) is not int or obj["v"] != PROTOCOL_VERSION):
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
                             f"protocol version {_short(obj['v'])} is not supported; use 1", rid)
     kind = obj.get("type")

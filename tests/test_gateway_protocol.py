@@ -127,12 +127,13 @@ async def test_api_keys_header_query_first_message_and_rejections(redis_server, 
         assert (await c.recv_any())["type"] == "pong"
         await c.close()
 
-        for how in ("bad-header", "no-key-then-generate", "silent", "bad-first-message"):
-            headers = {"Authorization": "Bearer sk-wrong"} if how == "bad-header" else None
+        for how in ("bad-header", "no-key-then-generate", "silent", "bad-first-message", "bad-key-after-header"):
+            headers = {"Authorization": "Bearer sk-wrong"} if how == "bad-header" else \
+                {"Authorization": "Bearer sk-alice"} if how == "bad-key-after-header" else None
             c = await GatewayClient.connect(gw.ws_url, headers=headers)
             if how == "no-key-then-generate":
                 await c.send(type="generate", id="x", prompt="hi")
-            elif how == "bad-first-message":
+            elif how in ("bad-first-message", "bad-key-after-header"):
                 await c.send(type="auth", api_key="sk-mallory")
             err = await c.recv_any(timeout=5)
             assert err["type"] == "error" and err["code"] == "unauthorized", (how, err)

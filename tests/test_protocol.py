@@ -80,6 +80,13 @@ def test_server_messages_round_trip(msg, binary):
         ({"type": "generate", "id": "a", "prompt": b"bytes"}, ErrorCode.INVALID_REQUEST),
         ({"type": "ping", "nonce": "n" * 65}, ErrorCode.INVALID_REQUEST),
         ({"type": "ping", "v": 2}, ErrorCode.UNSUPPORTED_VERSION),
+        ({"type": "ping", "v": True}, ErrorCode.UNSUPPORTED_VERSION),      # strict: not the integer 1
+        ({"type": "ping", "v": 1.0}, ErrorCode.UNSUPPORTED_VERSION),
+        ({"type": "ping", "v": "1"}, ErrorCode.UNSUPPORTED_VERSION),
+        ({"type": "cancel", "id": "abc\n"}, ErrorCode.INVALID_REQUEST),     # `$` would allow the newline
+        ({"type": "generate", "id": "a\n", "prompt": "x"}, ErrorCode.INVALID_REQUEST),
+        ({"type": "resume", "id": "a", "request_id": "0" * 32 + "\n"}, ErrorCode.INVALID_REQUEST),
+        ({"type": "generate", "id": "a", "prompt": "x", "seed": 2**63}, ErrorCode.INVALID_REQUEST),   # docs: 0..2^63-1
     ],
 )
 def test_validation_errors_are_typed(obj, code):
@@ -87,6 +94,12 @@ def test_validation_errors_are_typed(obj, code):
         parse_client_message(obj)
     assert info.value.code == code
     assert info.value.message
+
+
+def test_an_invalid_id_is_never_echoed():
+    with pytest.raises(ProtocolError) as info:
+        parse_client_message({"type": "cancel", "id": "abc\n", "v": 2})
+    assert info.value.code == ErrorCode.UNSUPPORTED_VERSION and info.value.request_id is None
 
 
 def test_error_names_the_request_it_concerns():
