@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from gateway.auth import KeyChecker
 from gateway.metrics import GatewayMetrics
-from gateway.new_request import RequestStarter
+from gateway.new_request import AlreadyStarted, RequestStarter
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.resume import Resumer, ResumeBudget
@@ -156,7 +156,18 @@ class MessageHandler:
 
     async def _generate(self, msg: Generate) -> None:
         self.check_new_id(msg.id)
-        self.accept(await self.starter.start(self.requests, self.key_id, msg))
+        try:
+            req = await self.starter.start(self.requests, self.key_id, msg)
+        except AlreadyStarted as first:
+            # its idempotency key already started a request: attach to it, from the first token
+            running = next((r.client_id for r in self.requests.values() if r.rid == first.rid), None)
+            if running is not None:
+                raise ProtocolError(ErrorCode.DUPLICATE_ID, f"idempotency_key already names request {running!r} "
+                                                            "on this socket", msg.id) from None
+            await self.resumer.reattach(self.requests, self.key_id,
+                                        Resume(id=msg.id, last_seq=0, request_id=first.rid), self.accept)
+            return
+        self.accept(req)
 
     async def _cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.id)

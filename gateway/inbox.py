@@ -35,11 +35,12 @@ EventCallback = Callable[[dict], None]
 
 class Subscriber:
     """The receiving end of one request's live events on this gateway."""
-    __slots__ = ("rid", "callback", "closed")
+    __slots__ = ("rid", "callback", "on_taken", "closed")
 
-    def __init__(self, rid: str, callback: EventCallback):
+    def __init__(self, rid: str, callback: EventCallback, on_taken: Callable[[], None] | None = None):
         self.rid = rid
         self.callback = callback
+        self.on_taken = on_taken    # told when another session of this gateway takes the request over
         self.closed = False
 
 
@@ -60,14 +61,17 @@ class Inbox:
     def active_streams(self) -> int:
         return len(self._subs)
 
-    def subscribe(self, rid: str, callback: EventCallback) -> Subscriber:
+    def subscribe(self, rid: str, callback: EventCallback, on_taken: Callable[[], None] | None = None) -> Subscriber:
         """Route rid's live events to `callback` from now on; a previous subscriber (an older
-        socket of a client that resumed on this same replica) is closed and gets nothing more."""
+        socket of a client that resumed on this same replica) is closed, told (`on_taken`), and
+        gets nothing more."""
         old = self._subs.get(rid)
-        sub = Subscriber(rid, callback)
+        sub = Subscriber(rid, callback, on_taken)
+        self._subs[rid] = sub
         if old is not None:
             old.closed = True
-        self._subs[rid] = sub
+            if old.on_taken is not None:
+                old.on_taken()
         return sub
 
     def unsubscribe(self, sub: Subscriber) -> None:

@@ -6,6 +6,13 @@ enforced in one place.
 Raises `ProtocolError` (with the client's id) for a refusal; nothing is left behind then. On
 success the request is open in `requests` (subscribed to its output before it was queued) and
 holds a per-key concurrency slot until its `done`.
+
+Idempotency: a generate may carry the client's `idempotency_key`. The submit script records which
+request a key started (per API key; anonymous clients share one namespace, where the key itself
+is the secret, so it must be at least 32 characters: 128 bits); a second generate with the same
+key within OUTPUT_TTL_S starts nothing and raises `AlreadyStarted`, and the transport attaches
+the client to the first request like a resume from 0. That is how a client that re-sends a
+`generate` whose `accepted` was lost with its gateway gets one request, not two.
 """
 
 from __future__ import annotations
@@ -16,14 +23,23 @@ import time
 from redis.exceptions import RedisError
 
 from gateway.admission import Admission
+from gateway.auth import ANONYMOUS, is_anonymous
 from gateway.bookkeeping import Bookkeeper
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.settings import GatewaySettings
 from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
-from shared.protocol import Generate
+from shared.protocol import MIN_ANONYMOUS_IDEMPOTENCY_CHARS, Generate
 from shared.streams import RequestEntry, SamplingParams
+
+
+class AlreadyStarted(Exception):
+    """The generate's idempotency key already started request `rid` (of the same owner)."""
+
+    def __init__(self, rid: str):
+        super().__init__(rid)
+        self.rid = rid
 
 
 class RequestStarter:
@@ -49,6 +65,15 @@ class RequestStarter:
                                 f"max_tokens {max_tokens} exceeds the server cap of {s.max_tokens_cap}", cid)
         if len(msg.stop) > s.max_stop_strings:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"at most {s.max_stop_strings} stop strings", cid)
+        idem = None
+        if msg.idempotency_key is not None:
+            anonymous = is_anonymous(key_id)
+            if anonymous and len(msg.idempotency_key) < MIN_ANONYMOUS_IDEMPOTENCY_CHARS:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                    f"without an API key, idempotency_key is the only secret: use at least "
+                                    f"{MIN_ANONYMOUS_IDEMPOTENCY_CHARS} random characters (128 bits; e.g. 32 hex "
+                                    f"digits)", cid)
+            idem = self.submitter.idem_key(ANONYMOUS if anonymous else key_id, msg.idempotency_key)
         try:
             await self.admission.admit()         # cached: no round trip on most requests
         except ProtocolError as exc:
@@ -68,7 +93,7 @@ class RequestStarter:
         release = self.bookkeeper.take_releases(key_id)
         try:
             # rate limit + concurrency lease + queue: one round trip
-            await self.submitter.submit(entry, release=release)
+            first = await self.submitter.submit(entry, release=release, idem=idem)
         except ProtocolError as exc:
             requests.drop(req)
             exc.request_id = cid
@@ -78,5 +103,8 @@ class RequestStarter:
             for rid_ in release:
                 self.bookkeeper.request_ended(key_id, rid_)     # not known to be written: queue again
             raise
+        if first is not None:
+            requests.drop(req)
+            raise AlreadyStarted(first)
         req.slot_held = True
         return req

@@ -37,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import bearer_token
 from gateway.hub import Hub
+from gateway.new_request import AlreadyStarted
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.sender import Sender, WakeEvent
@@ -478,15 +479,24 @@ async def _generate(request: Request, chat: bool) -> Response:
         model = _served(hub, body.model)
         # the response id names the server request id, which a resume must present
         rid = secrets.token_hex(16)
-        cid = (CHAT_PREFIX if chat else TEXT_PREFIX) + rid
+        prefix = CHAT_PREFIX if chat else TEXT_PREFIX
+        idempotency_key = request.headers.get("idempotency-key")
+        if idempotency_key is not None:
+            fields["idempotency_key"] = idempotency_key
         try:
-            msg = parse_client_message({"type": "generate", "id": cid, **fields})
+            msg = parse_client_message({"type": "generate", "id": prefix + rid, **fields})
         except ProtocolError as exc:
-            raise APIError(400, exc.message, code=exc.code.value) from None
+            param = "Idempotency-Key" if "idempotency_key" in exc.message else None
+            raise APIError(400, exc.message, code=exc.code.value, param=param) from None
         wake = WakeEvent()
         requests = hub.request_table(wake)
         try:
-            req = await hub.starter.start(requests, key_id, msg, rid=rid)
+            try:
+                req = await hub.starter.start(requests, key_id, msg, rid=rid)
+            except AlreadyStarted as first:   # the same Idempotency-Key started it: the same answer
+                req = await hub.resumer.reattach(requests, key_id, Resume(id=prefix + first.rid, last_seq=0,
+                                                                          request_id=first.rid),
+                                                 accept=lambda r: None)
         except ProtocolError as exc:
             hub.metrics.rejections.labels(exc.code.value).inc()
             raise APIError.from_code(exc.code, exc.message) from None

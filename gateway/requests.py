@@ -83,7 +83,7 @@ class RequestTable:
         self._by_id[cid] = req
         self.metrics.active_requests.inc()
         # subscribe before the request is queued (or attached), so no live event can be missed
-        req.sub = self.reader.subscribe(rid, lambda ev: self.on_event(req, ev))
+        req.sub = self.reader.subscribe(rid, lambda ev: self.on_event(req, ev), lambda: self._taken_over(req))
         return req
 
     def drop(self, req: RequestState) -> None:
@@ -140,6 +140,14 @@ class RequestTable:
         req.cancel_timer = None
         if not req.finished and req.join.end_here(
                 {"k": "done", "seq": req.join.delivered, "finish_reason": "cancelled", "usage": {}, "local": True}):
+            self._wake.set()
+
+    def _taken_over(self, req: RequestState) -> None:
+        """Another session of this gateway resumed the request (or sent its idempotency key
+        again): it streams there now; end it here, typed, rather than leave it silent."""
+        if not req.finished and req.join.end_here(
+                {"k": "err", "seq": req.join.delivered, "code": ErrorCode.RESUMED_ELSEWHERE.value, "retryable": False,
+                 "message": "another connection resumed this request; it streams there now", "local": True}):
             self._wake.set()
 
     def end_stalled(self, now: float, stall_s: float) -> list[RequestState]:

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -33,13 +34,21 @@ log = logging.getLogger("gateway.submit")
 
 CTL_MAXLEN = 10000
 
-# KEYS: rate, conc, requests. ARGV: rate_per_min, concurrency, lease_ms, rid, entry, maxlen.
-# Returns "ok", "rate_limited" or "concurrency_limit".
+# KEYS: rate, conc, requests[, idem]. ARGV: rate_per_min, concurrency, lease_ms, rid, entry, maxlen,
+# idem_ttl_s. Returns "ok", "rate_limited", "concurrency_limit", or "dup:<rid>" when the idempotency
+# key (KEYS[4]) already started request <rid>: then nothing is counted, leased or queued.
 SUBMIT_LUA = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local rate, conc, lease = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if conc > 0 and redis.call('ZSCORE', KEYS[2], ARGV[4]) then return 'ok' end  -- a retried submit
+if KEYS[4] then
+  local first = redis.call('GET', KEYS[4])
+  if first then
+    if first == ARGV[4] then return 'ok' end  -- our own submit, retried after a lost reply
+    return 'dup:' .. first
+  end
+end
 if rate > 0 then
   local n = redis.call('INCR', KEYS[1])
   if n == 1 then redis.call('EXPIRE', KEYS[1], 120) end
@@ -52,6 +61,7 @@ if conc > 0 then
   redis.call('PEXPIRE', KEYS[2], lease * 2)
 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'd', ARGV[5])
+if KEYS[4] then redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[7]) end
 return 'ok'
 """
 
@@ -71,14 +81,19 @@ class Submitter:
 
     # ------------------------------------------------------------------ submit
 
-    async def submit(self, entry: RequestEntry, *, release: list[str] = ()) -> None:
+    async def submit(self, entry: RequestEntry, *, release: list[str] = (), idem: str | None = None) -> str | None:
         """Rate limit + concurrency lease + XADD in one round trip; ProtocolError when refused.
         `release`: leases of the same key that ended here and are not yet released (the
-        bookkeeper's queue), released first in the same round trip."""
+        bookkeeper's queue), released first in the same round trip. `idem`: the request's
+        idempotency key (Redis key, `Keys.idem`): when it already started a request, nothing is
+        queued and that request's rid is returned (None otherwise)."""
         key_id, rid = entry.key_id, entry.rid
         minute = int(time.time() // 60)
         lua_keys = [self.keys.rate(key_id, minute), self.keys.conc(key_id), self.keys.requests]
-        lua_args = [self.rate_per_min, self.concurrency, self.lease_ms, rid, entry.encode(), self.request_maxlen]
+        if idem:
+            lua_keys.append(idem)
+        lua_args = [self.rate_per_min, self.concurrency, self.lease_ms, rid, entry.encode(), self.request_maxlen,
+                    self.ttl]
         if self._sha is None:
             self._sha = await self.redis.script_load(SUBMIT_LUA)
         for attempt in range(2):
@@ -107,13 +122,20 @@ class Submitter:
             raise verdict
         verdict = as_str(verdict)
         if verdict == "ok":
-            return
+            return None
         await self._forget(rid)
+        if verdict.startswith("dup:"):
+            return verdict[4:]
         if verdict == "rate_limited":
             retry = 60 - int(time.time()) % 60
             raise ProtocolError(ErrorCode.RATE_LIMITED,
                                 f"rate limit of {self.rate_per_min} requests/min reached; retry in {retry}s")
         raise ProtocolError(ErrorCode.CONCURRENCY_LIMIT, f"{self.concurrency} requests of this key are already running")
+
+    def idem_key(self, owner: str, idempotency_key: str) -> str:
+        """The Redis key naming what `idempotency_key` started for `owner` (hashed: bounded, and
+        the client's key is not stored)."""
+        return self.keys.idem(owner, hashlib.sha256(idempotency_key.encode()).hexdigest())
 
     async def _forget(self, rid: str) -> None:
         """A refused (or failed) submit leaves no meta and no membership behind."""

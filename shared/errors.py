@@ -32,6 +32,7 @@ class ErrorCode(StrEnum):
     OUTPUT_WRITE_FAILED = "output_write_failed"  # Redis kept refusing the worker's output (e.g. out of memory)
     OUTPUT_LOST = "output_lost"                # part of the output can no longer be delivered (history lost)
     RESUME_EXPIRED = "resume_expired"          # output no longer retained
+    RESUMED_ELSEWHERE = "resumed_elsewhere"    # another connection resumed the request: it streams there now
     SLOW_CONSUMER = "slow_consumer"
     STALLED = "stalled"                        # no output for REQUEST_STALL_S: the worker went silent
     SHUTTING_DOWN = "shutting_down"

@@ -26,6 +26,8 @@ SUBPROTOCOLS = (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL)
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")   # used with fullmatch: `$` would allow a trailing "\n"
 REQUEST_ID_PATTERN = r"^[0-9a-f]{32}$"     # the server's request id: 128 random bits, hex
+IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
+MIN_ANONYMOUS_IDEMPOTENCY_CHARS = 32        # anonymous: the key is the only secret (>= 128 bits)
 MAX_NONCE_CHARS = 64
 MAX_NONCE_INT = 2**53                       # what every JSON parser represents exactly
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -71,6 +73,10 @@ class Generate(_ClientMsg):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
     priority: Priority = "interactive"
+    # the client's name for this piece of work: a second generate with the same key (e.g. sent
+    # again because `accepted` was lost with its gateway) attaches to the first request instead
+    # of starting another (docs/protocol.md)
+    idempotency_key: str | None = Field(None, pattern=IDEMPOTENCY_KEY_PATTERN)
 
     _id = field_validator("id")(_check_id)
 

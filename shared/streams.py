@@ -9,6 +9,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{q}:dead               | stream | {q}     | dead letters (XADD + XACK in one MULTI)                     |
 | p:{q}:conc:<key_id>      | zset   | {q}     | per-API-key concurrency leases, rid -> expiry ms            |
 | p:{q}:rate:<key_id>:<m>  | string | {q}     | per-key rate-limit counter of minute m                      |
+| p:{q}:idem:<owner>:<h>   | string | {q}     | rid of the request an idempotency key started (TTL)         |
 | p:{r:<rid>}:out          | stream | {r:rid} | the request's HISTORY: ids `{seq}-0` tokens, `{seq}-1` final |
 | p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, epoch, att (see META_*); TTL output_ttl_s   |
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
@@ -65,6 +66,9 @@ class Keys:
 
     def rate(self, key_id: str, minute: int) -> str:
         return f"{self.prefix}:{{q}}:rate:{key_id}:{minute}"
+
+    def idem(self, owner: str, digest: str) -> str:
+        return f"{self.prefix}:{{q}}:idem:{owner}:{digest}"
 
     # ---- slot {r:rid}: one request ----
     def out(self, rid: str) -> str:

@@ -17,6 +17,13 @@ const CLOSE_POLICY = 1008;           // unauthorized / origin not allowed: do no
 const CLOSE_SERVICE_RESTART = 1012;  // the server asked for a reconnect now
 const FATAL_CODES = new Set(["unauthorized", "origin_not_allowed"]);
 
+/** `bytes` random bytes as hex (crypto.getRandomValues: browsers and Node 19+). */
+function randomHex(bytes) {
+  const buf = new Uint8Array(bytes);
+  globalThis.crypto.getRandomValues(buf);
+  return Array.from(buf, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
 /** Base class of everything a request can fail with; switch on the class or `code`. */
 export class LLMStreamError extends Error {
   constructor(code, message, {retryable = false, id = null} = {}) {
@@ -145,7 +152,8 @@ export class StreamClient {
   }
 
   /** Start a request: `{prompt}` or `{messages}` plus generate fields (max_tokens, temperature,
-   *  top_p, top_k, seed, stop, priority) and an optional `id`. */
+   *  top_p, top_k, seed, stop, priority, idempotency_key: a random one by default) and an
+   *  optional `id`. */
   generate(params) {
     if (this._closed) throw new ConnectionLost("closed", "the client is closed");
     const {id, ...fields} = params;
@@ -156,6 +164,8 @@ export class StreamClient {
     if (this._requests.has(cid)) throw new TypeError(`request ${cid} is still running on this client`);
     const body = {type: "generate", id: cid};
     for (const [k, v] of Object.entries(fields)) if (v !== undefined && v !== null) body[k] = v;
+    // 128 random bits, sent again unchanged if `accepted` is lost: the server attaches, not reruns
+    if (body.idempotency_key === undefined) body.idempotency_key = randomHex(16);
     const req = new Request(cid, body);
     this._requests.set(cid, req);
     const gen = new Generation(this, req);

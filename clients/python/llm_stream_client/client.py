@@ -6,7 +6,9 @@ or restarting, a slow-consumer close) the client reconnects with exponential bac
 jitter (at once after a 1012 "server restarting"), sends `resume` with the last `seq` it
 delivered and the server's `request_id` from `accepted` for every unfinished request, and drops
 any chunk it has already delivered — so the iterator simply continues, with exactly the text an
-uninterrupted stream would have given. A request whose `accepted` never arrived is sent again.
+uninterrupted stream would have given. A request whose `accepted` never arrived is sent again,
+with the same `idempotency_key` (a random 128-bit one per request unless the caller gives one),
+so a request whose `accepted` was lost with its gateway is attached to, not run twice.
 
 Only the public protocol is used; the client needs nothing but `websockets` (and `msgpack`
 when `binary=True`).
@@ -186,7 +188,8 @@ class StreamClient:
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None, id: str | None = None,
                  **params: Any) -> Generation:
         """Start a request. `params` are the protocol's generate fields: max_tokens, temperature,
-        top_p, top_k, seed, stop, priority. Returns at once; the request is sent in the background."""
+        top_p, top_k, seed, stop, priority, idempotency_key (a random one by default). Returns at
+        once; the request is sent in the background."""
         if self._closed:
             raise ConnectionLost("closed", "the client is closed")
         if (prompt is None) == (messages is None):
@@ -197,6 +200,7 @@ class StreamClient:
         body: dict[str, Any] = {"type": "generate", "id": cid}
         body.update({"prompt": prompt} if prompt is not None else {"messages": messages})
         body.update({k: v for k, v in params.items() if v is not None})
+        body.setdefault("idempotency_key", uuid.uuid4().hex)   # 128 random bits: sent again, unchanged
         req = _Request(cid, body)
         self._requests[cid] = req
         gen = Generation(self, req)

@@ -1,0 +1,162 @@
+"""Idempotency keys (issue 26 item 8): a `generate` sent again with the same key attaches to the
+request the first one started instead of running it twice, per owner, over WebSocket and HTTP;
+and a gateway lost between queueing a request and sending its `accepted` costs no double work,
+with the SDKs' default keys.
+
+Real Redis, real gateways, a real worker process (the synthetic engine: the production worker
+service, its text a function of the token index, so an answer's exact text is known).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+
+import httpx
+import pytest
+
+from llm_stream_client import StreamClient
+from shared.streams import CONSUMER_GROUP, Keys
+from tests.gateway_client import GatewayClient, eventually
+from tests.stack_fixtures import _env, gateway_in_process, gateway_settings, spawn, wait_for_worker
+from worker.synthetic import token_at
+
+KEY_A, KEY_B = "sk-idem-a", "sk-idem-b"
+API_KEYS = f"alice:{hashlib.sha256(KEY_A.encode()).hexdigest()},bob:{hashlib.sha256(KEY_B.encode()).hexdigest()}"
+
+
+def expected_text(n: int) -> str:
+    return "".join(token_at(i)[1] for i in range(1, n + 1))
+
+
+@pytest.fixture(scope="module")
+def idem_stack(redis_server, tmp_path_factory):
+    prefix = f"idem{uuid.uuid4().hex[:8]}"
+    proc = spawn("worker.synthetic", _env(redis_server.url, prefix, {"WORKER_ID": "w-idem"}),
+                 tmp_path_factory.mktemp("idem-logs"), "w-idem", args=("--step-ms", "5", "--max-batch", "64"))
+    wait_for_worker(redis_server.url, prefix, proc)
+    yield prefix
+    proc.stop()
+
+
+def settings(redis_server, prefix, **kw):
+    return gateway_settings(redis_server.url, prefix, **{"api_keys": API_KEYS, **kw})
+
+
+async def entries(redis_client, prefix: str) -> int:
+    """Request entries ever queued on `prefix` (delivered or not)."""
+    groups = await redis_client.xinfo_groups(Keys(prefix).requests)
+    return int(next(g for g in groups if g["name"] == CONSUMER_GROUP.encode())["entries-read"] or 0) + \
+        int(next(g for g in groups if g["name"] == CONSUMER_GROUP.encode())["lag"] or 0)
+
+
+async def test_a_repeated_generate_attaches_to_the_first_request(redis_server, redis_client, idem_stack):
+    async with gateway_in_process(settings(redis_server, idem_stack)) as gw:
+        before = await entries(redis_client, idem_stack)
+        a1 = await GatewayClient.connect(gw.ws_url, headers={"Authorization": f"Bearer {KEY_A}"})
+        await a1.send(type="generate", id="g1", prompt="x", max_tokens=40, idempotency_key="order-17")
+        accepted = await a1.recv("g1")
+        assert accepted["type"] == "accepted"
+        # the same socket: a second id for the same work is a client bug, said so
+        await a1.send(type="generate", id="g2", prompt="x", max_tokens=40, idempotency_key="order-17")
+        assert (await a1.recv("g2"))["code"] == "duplicate_id"
+        # another socket of the same key (a reconnect that never saw `accepted`): the same request,
+        # from its first token, under the id this socket chose; it streams there from now on, like
+        # a resume, and the first socket is told so instead of being left silent
+        a2 = await GatewayClient.connect(gw.ws_url, headers={"Authorization": f"Bearer {KEY_A}"})
+        await a2.send(type="generate", id="again", prompt="x", max_tokens=40, idempotency_key="order-17")
+        again = await a2.recv("again")
+        assert again["type"] == "accepted" and again["request_id"] == accepted["request_id"]
+        chunks, done = await a2.until_done("again")
+        assert "".join(c["text"] for c in chunks) == expected_text(40) and done["seq"] == 40
+        assert chunks[0]["seq"] - chunks[0]["tokens"] == 0
+        _, taken = await a1.until_done("g1")
+        assert taken["type"] == "done" and (taken["finish_reason"] != "error" or
+                                            taken["error"]["code"] == "resumed_elsewhere"), taken
+        # another API key with the same idempotency key: its own, new request
+        b = await GatewayClient.connect(gw.ws_url, headers={"Authorization": f"Bearer {KEY_B}"})
+        await b.send(type="generate", id="g1", prompt="x", max_tokens=5, idempotency_key="order-17")
+        other = await b.recv("g1")
+        assert other["type"] == "accepted" and other["request_id"] != accepted["request_id"]
+        await b.until_done("g1")
+        assert await entries(redis_client, idem_stack) - before == 2
+        for c in (a1, a2, b):
+            await c.close()
+
+
+async def test_anonymous_keys_must_carry_128_bits_and_are_shared_by_anonymous_clients(redis_server, redis_client,
+                                                                                    idem_stack):
+    async with gateway_in_process(settings(redis_server, idem_stack, api_keys="")) as gw:   # keys optional
+        c1 = await GatewayClient.connect(gw.ws_url)
+        await c1.send(type="generate", id="s", prompt="x", max_tokens=5, idempotency_key="short-key")
+        refused = await c1.recv("s")
+        assert refused["type"] == "error" and refused["code"] == "invalid_request" and "128 bits" in refused["message"]
+        secret = uuid.uuid4().hex
+        await c1.send(type="generate", id="s", prompt="x", max_tokens=12, idempotency_key=secret)
+        first = await c1.recv("s")
+        c2 = await GatewayClient.connect(gw.ws_url)      # another anonymous identity: the secret is the proof
+        await c2.send(type="generate", id="t", prompt="x", max_tokens=12, idempotency_key=secret)
+        assert (await c2.recv("t"))["request_id"] == first["request_id"]
+        chunks, _ = await c2.until_done("t")
+        assert "".join(ch["text"] for ch in chunks) == expected_text(12)
+        chunks, done = await c1.until_done("s")      # all of it, or handed over to c2 (typed)
+        assert "".join(ch["text"] for ch in chunks) == expected_text(12) or \
+            done["error"]["code"] == "resumed_elsewhere"
+        for c in (c1, c2):
+            await c.close()
+
+
+async def test_the_http_idempotency_key_header(redis_server, redis_client, idem_stack):
+    async with gateway_in_process(settings(redis_server, idem_stack)) as gw:
+        before = await entries(redis_client, idem_stack)
+        body = {"model": gw.settings.served_model_name, "prompt": "x", "max_tokens": 20}
+        headers = {"Authorization": f"Bearer {KEY_A}", "Idempotency-Key": "invoice-9"}
+        async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
+            first = await http.post("/v1/completions", json=body, headers=headers)
+            second = await http.post("/v1/completions", json=body, headers=headers)
+            bad = await http.post("/v1/completions", json=body, headers={**headers, "Idempotency-Key": "a b"})
+        assert first.status_code == second.status_code == 200
+        assert first.json()["id"] == second.json()["id"]
+        assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"] == expected_text(20)
+        assert await entries(redis_client, idem_stack) - before == 1
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "Idempotency-Key"
+
+
+async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server, redis_client, idem_stack):
+    """Gateway A queues requests and dies before their `accepted` goes out (its submit never
+    returns, then its sockets are dropped: what a SIGKILL right after the submit looks like to
+    the clients). The SDK sends each generate again, through gateway B, with its default
+    idempotency key: each request runs once and every answer is exact."""
+    async with gateway_in_process(settings(redis_server, idem_stack)) as gw_a, \
+            gateway_in_process(settings(redis_server, idem_stack)) as gw_b:
+        queued: list[str] = []
+        dead = asyncio.Event()
+        real_submit = gw_a.hub.submitter.submit
+
+        async def submit_then_die(entry, **kwargs):
+            await real_submit(entry, **kwargs)
+            queued.append(entry.rid)
+            await dead.wait()                      # the reply never comes back while A "lives"
+
+        gw_a.hub.submitter.submit = submit_then_die
+        before = await entries(redis_client, idem_stack)
+        clients = [StreamClient([gw_a.ws_url, gw_b.ws_url], api_key=KEY_A, backoff_base_s=0.05) for _ in range(4)]
+        try:
+            for client in clients:
+                await client.connect()
+            # two requests a client: the first is queued by A, the second never gets read there
+            gens = [client.generate(f"q{i}-{j}", max_tokens=30 + 2 * i + j)
+                    for i, client in enumerate(clients) for j in range(2)]
+            assert await eventually(lambda: len(queued) == len(clients), timeout=20)
+            for session in list(gw_a.hub.sessions.all):
+                session.socket.ws.scope["llm_stream.transport"].abort()     # the gateway is gone
+            texts = await asyncio.wait_for(asyncio.gather(*(g.collect() for g in gens)), 60)
+        finally:
+            dead.set()
+            for client in clients:
+                await client.close()
+        assert texts == [expected_text(30 + 2 * i + j) for i in range(len(clients)) for j in range(2)]
+        assert set(queued) <= {g.request_id for g in gens}          # the requests A queued are the ones that ran
+        assert await entries(redis_client, idem_stack) - before == len(gens)     # and nothing ran twice
+        assert all(client.reconnects >= 1 for client in clients)
