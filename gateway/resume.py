@@ -46,22 +46,24 @@ ATTACH_RETRY_S = 1.0
 
 
 class ResumeBudget:
-    """At most `per_min` resume attempts per socket per minute (a fixed window): request ids are
-    unguessable, and this keeps anyone from even trying many of them over one socket."""
+    """At most `per_min` resume attempts per socket per minute: request ids are unguessable, and
+    this keeps anyone from even trying many of them over one socket. The minute starts at the
+    first attempt (not on the clock's minute), so a burst is never split across two windows."""
 
-    __slots__ = ("per_min", "window", "used")
+    __slots__ = ("per_min", "clock", "started", "used")
 
-    def __init__(self, per_min: int):
+    def __init__(self, per_min: int, clock=time.monotonic):
         self.per_min = per_min
-        self.window = 0
+        self.clock = clock
+        self.started: float | None = None
         self.used = 0
 
     def take(self, cid: str) -> None:
         if self.per_min <= 0:
             return
-        window = int(time.monotonic() // 60)
-        if window != self.window:
-            self.window, self.used = window, 0
+        now = self.clock()
+        if self.started is None or now - self.started >= 60:
+            self.started, self.used = now, 0
         self.used += 1
         if self.used > self.per_min:
             raise ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.per_min} resume attempts per minute "

@@ -310,10 +310,28 @@ async def test_resume_attempts_are_rate_limited_per_socket(redis_server, stream_
         for i in range(5):
             await c.send(type="resume", id=f"g{i}", last_seq=0, request_id=f"{i:032x}")
             codes.append((await c.recv(f"g{i}"))["code"])
-        if time.monotonic() % 60 > 1:     # all five in one fixed window (else the 4th may be in the next)
-            assert codes == ["resume_expired"] * 3 + ["rate_limited"] * 2, codes
+        assert codes == ["resume_expired"] * 3 + ["rate_limited"] * 2, codes   # the minute starts at the first
         await assert_alive(c)
         await c.close()
+
+
+def test_the_resume_budget_is_a_minute_from_the_first_attempt():
+    from gateway.resume import ResumeBudget
+    from shared.errors import ProtocolError
+    now = [119.5]          # just before a clock minute ends: the burst still counts as one minute
+    budget = ResumeBudget(2, clock=lambda: now[0])
+    budget.take("a")
+    now[0] = 120.5
+    budget.take("b")
+    with pytest.raises(ProtocolError) as info:
+        budget.take("c")
+    assert info.value.code == "rate_limited" and info.value.request_id == "c"
+    now[0] = 179.25
+    with pytest.raises(ProtocolError):
+        budget.take("d")
+    now[0] = 179.5         # a minute after the first attempt: a new budget
+    budget.take("e")
+    budget.take("f")
 
 
 # ---------------------------------------------------------------------------- item 9: progress watchdog

@@ -164,7 +164,7 @@ async def test_no_live_worker_means_overloaded_not_a_silent_queue(redis_server, 
         await c.send(type="generate", id="g", prompt="hello")
         err = await c.recv("g")
         assert err["type"] == "error" and err["code"] == "overloaded" and err["retryable"] is True
-        assert await redis_client.xlen(f"{stream_prefix}:requests") == 0   # nothing was queued
+        assert await redis_client.xlen(Keys(stream_prefix).requests) == 0   # nothing was queued
         await c.close()
 
 
