@@ -25,23 +25,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
 
 from shared.aio import wait_event
+from shared.config import Settings
 from shared.errors import ErrorCode
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_ATT, META_EPOCH, META_GW, META_KEY, META_OWNER,
-                            RequestEntry, as_str, decode_event)
+                            Keys, RequestEntry, as_str, decode_event)
 from shared.peer_liveness import PeerLiveness, server_run_id
 from worker import consumer_group, failover, registry
-from worker.engine_thread import Add, Cancel
+from worker.engine_client import Add, Cancel, EngineClient
 from worker.events import InFlight, progress_from_last
-from worker.output_writer import DeadLetter
+from worker.inflight import InFlightTable, Stats
+from worker.output_writer import DeadLetter, OutputWriter
 from worker.redis_io import TRANSIENT, Backoff, with_backoff
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
 
 log = logging.getLogger("worker.intake")
 
@@ -52,10 +50,19 @@ MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending
 
 
 class Intake:
-    def __init__(self, svc: "WorkerService"):
-        self.svc = svc
-        self.keys = svc.keys
-        self.settings = svc.settings
+    def __init__(self, *, redis, blocking_redis, keys: Keys, settings: Settings, worker_id: str,
+                 table: InFlightTable, engine: EngineClient, writer: OutputWriter, stats: Stats,
+                 stop: asyncio.Event):
+        self.redis = redis                       # claims, meta, hand-back
+        self.blocking_redis = blocking_redis     # XREADGROUP ... BLOCK only
+        self.keys = keys
+        self.settings = settings
+        self.worker_id = worker_id
+        self.table = table
+        self.engine = engine
+        self.writer = writer
+        self.stats = stats
+        self.stop = stop
         self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
         # who is dead: not judged while Redis (or this process) was away (shared.peer_liveness)
         self.peers = PeerLiveness(self.settings.worker_ttl_s, what="peer workers")
@@ -63,35 +70,38 @@ class Intake:
     async def ensure_group(self) -> None:
         """Create or join the group, and put its counters right (a new Redis may have loaded
         them stale: worker.consumer_group)."""
-        await consumer_group.ensure_group(self.svc.redis, self.keys)
-        await consumer_group.resync_entries_read(self.svc.redis, self.keys)
+        await consumer_group.ensure_group(self.redis, self.keys)
+        await consumer_group.resync_entries_read(self.redis, self.keys)
 
     # ---- new entries ------------------------------------------------------------------------
 
+    def stopping(self) -> bool:
+        return self.stop.is_set()
+
     async def intake_loop(self) -> None:
-        svc = self.svc
-        while not svc.stopping:
-            free = svc.free_slots()
+        table = self.table
+        while not self.stopping():
+            free = table.free_slots()
             if free <= 0:
-                svc.capacity_event.clear()
-                if svc.free_slots() <= 0:
-                    await svc.capacity_event.wait()
+                table.capacity_event.clear()
+                if table.free_slots() <= 0:
+                    await table.capacity_event.wait()
                 continue
             try:
                 resp = await with_backoff(
-                    lambda: svc.intake_redis.xreadgroup(CONSUMER_GROUP, svc.worker_id, {self.keys.requests: ">"},
-                                                        count=free, block=BLOCK_MS),
-                    "read requests", lambda: svc.stopping)
+                    lambda: self.blocking_redis.xreadgroup(CONSUMER_GROUP, self.worker_id, {self.keys.requests: ">"},
+                                                           count=free, block=BLOCK_MS),
+                    "read requests", self.stopping)
             except asyncio.CancelledError:
                 return
             except ResponseError as exc:  # NOGROUP: the stream was deleted under us
                 log.warning("xreadgroup failed (%s); recreating the group", exc)
                 await asyncio.sleep(0.2)
-                await with_backoff(self.ensure_group, "create consumer group", lambda: svc.stopping)
+                await with_backoff(self.ensure_group, "create consumer group", self.stopping)
                 continue
             entries = [(as_str(i), f) for _stream, got in resp or [] for i, f in got]
-            if entries and svc.unhealthy:   # it turned unhealthy while this read was blocked
-                await svc.lifecycle.release_entries([i for i, _ in entries])
+            if entries and table.unhealthy:   # it turned unhealthy while this read was blocked
+                await self.release_entries([i for i, _ in entries])
                 log.warning("engine unhealthy: handed back %d new entries", len(entries))
                 continue
             for entry_id, fields in entries:
@@ -100,7 +110,7 @@ class Intake:
     # ---- entries of dead workers ------------------------------------------------------------
 
     async def claim_loop(self) -> None:
-        svc = self.svc
+        table = self.table
         # A dead worker is known from the registry as soon as its heartbeat lapses: its entries
         # are claimed then (checked every DEAD_CHECK_S), whatever our free slots, ahead of new
         # intake (which waits while we are full). XAUTOCLAIM after claim_idle_ms is the fallback
@@ -111,17 +121,17 @@ class Intake:
         # window to beat and refresh their entries again (shared.peer_liveness).
         scan_every = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
         last_trim = last_scan = 0.0
-        while not svc.stopping:
-            if await wait_event(svc.stop_event, DEAD_CHECK_S):
+        while not self.stopping():
+            if await wait_event(self.stop, DEAD_CHECK_S):
                 return
             try:
-                await with_backoff(self.claim_dead_workers, "claim from dead workers", lambda: svc.stopping)
-                free = svc.free_slots()
+                await with_backoff(self.claim_dead_workers, "claim from dead workers", self.stopping)
+                free = table.free_slots()
                 if free > 0 and self.peers.judging() and time.monotonic() - last_scan >= scan_every:
-                    await with_backoff(lambda: self.claim_once(free), "claim", lambda: svc.stopping)
+                    await with_backoff(lambda: self.claim_once(free), "claim", self.stopping)
                     last_scan = time.monotonic()
                 if time.monotonic() - last_trim > TRIM_EVERY_S:
-                    await with_backoff(self.tend_group, "trim", lambda: svc.stopping)
+                    await with_backoff(self.tend_group, "trim", self.stopping)
                     last_trim = time.monotonic()
             except asyncio.CancelledError:
                 return
@@ -132,11 +142,10 @@ class Intake:
         """XAUTOCLAIM up to `count` idle entries, following its cursor: Redis scans at most
         10 x COUNT pending entries a call, so with one free slot behind a hundred busy entries
         a scan from 0-0 every time would never reach the idle ones further on."""
-        svc = self.svc
         claimed: list = []
         for _ in range(MAX_SCAN_CALLS):
-            self.cursor, entries, deleted = (await svc.redis.xautoclaim(
-                self.keys.requests, CONSUMER_GROUP, svc.worker_id, self.settings.claim_idle_ms,
+            self.cursor, entries, deleted = (await self.redis.xautoclaim(
+                self.keys.requests, CONSUMER_GROUP, self.worker_id, self.settings.claim_idle_ms,
                 start_id=self.cursor, count=count - len(claimed)))[:3]
             self.cursor = as_str(self.cursor)
             if deleted:
@@ -148,19 +157,17 @@ class Intake:
 
     async def tend_group(self) -> None:
         """Trim finished entries; re-sync the group's counters if they are visibly off."""
-        svc = self.svc
-        await consumer_group.trim_finished(svc.redis, self.keys)
-        if await consumer_group.counters_look_wrong(svc.redis, self.keys):
-            await consumer_group.resync_entries_read(svc.redis, self.keys)
+        await consumer_group.trim_finished(self.redis, self.keys)
+        if await consumer_group.counters_look_wrong(self.redis, self.keys):
+            await consumer_group.resync_entries_read(self.redis, self.keys)
 
     async def watch_redis(self) -> None:
         """One liveness round: which Redis server answers, and how promptly. A new server
         (restart, failover) means stale heartbeats, idle times and group counters."""
-        svc = self.svc
         sent_at = self.peers.clock()
-        run_id = await server_run_id(svc.redis, self.keys.workers)
+        run_id = await server_run_id(self.redis, self.keys.workers)
         if self.peers.observe(run_id, sent_at):
-            await consumer_group.resync_entries_read(svc.redis, self.keys)
+            await consumer_group.resync_entries_read(self.redis, self.keys)
 
     async def claim_dead_workers(self) -> None:
         """Claim the entries of every worker whose registry heartbeat is older than
@@ -173,27 +180,26 @@ class Intake:
             raise
 
     async def _claim_dead_workers(self) -> None:
-        svc = self.svc
         cutoff = self.peers.cutoff_ms()
-        if svc.unhealthy or cutoff is None:
+        if self.table.unhealthy or cutoff is None:
             return
-        silent = await svc.redis.zrangebyscore(self.keys.workers, "-inf", cutoff)
-        room = svc.capacity
+        silent = await self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff)
+        room = self.table.capacity
         for dead in (as_str(w) for w in silent):
-            if dead == svc.worker_id or room <= 0:
+            if dead == self.worker_id or room <= 0:
                 continue
-            pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
-                                                     count=room, consumername=dead)
+            pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
+                                                      count=room, consumername=dead)
             if not pending:
-                await registry.forget_dead(svc.redis, self.keys, dead)
+                await registry.forget_dead(self.redis, self.keys, dead)
                 log.info("worker %s is dead and owns nothing any more: removed its registry entry, control "
                          "stream and consumer", dead)
                 continue
             # min-idle: of two survivors claiming at once only one gets each entry (XCLAIM resets
             # the idle time), and an entry the dead worker refreshed just before dying still qualifies
             min_idle = int(self.settings.worker_ttl_s * 500)
-            claimed = await svc.redis.xclaim(self.keys.requests, CONSUMER_GROUP, svc.worker_id, min_idle,
-                                             [p["message_id"] for p in pending])
+            claimed = await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, min_idle,
+                                              [p["message_id"] for p in pending])
             claimed = [(as_str(i), f) for i, f in claimed if f]
             if claimed:
                 log.info("worker %s is dead (no heartbeat for %.1f s): claimed %d of its requests", dead,
@@ -204,25 +210,23 @@ class Intake:
     async def _accept_claimed(self, entries: list) -> None:
         if not entries:
             return
-        svc = self.svc
         # delivery counts (the claim has already counted this delivery)
         ids = sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))
-        pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
-                                                 max=ids[-1][0], count=len(entries) + 100,
-                                                 consumername=svc.worker_id)
+        pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
+                                                  max=ids[-1][0], count=len(entries) + 100,
+                                                  consumername=self.worker_id)
         deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
-        ours = {st.entry_id for st in svc.inflight.values()}
+        ours = {st.entry_id for st in self.table.requests.values()}
         for entry_id, fields in entries:
             if entry_id in ours:
                 continue
-            svc.stats["claimed"] += 1
+            self.stats.claimed += 1
             await self.accept(entry_id, fields, deliveries=deliveries.get(entry_id, 2))
 
     # ---- taking one entry -------------------------------------------------------------------
 
     async def accept(self, entry_id: str, fields: dict, deliveries: int) -> None:
         """Take ownership of one delivered entry: validate, claim it in meta, decide, run."""
-        svc = self.svc
         raw = fields.get(ENTRY_FIELD) if fields else None
         try:
             entry = RequestEntry.decode(raw if raw is not None else b"")
@@ -233,13 +237,13 @@ class Intake:
             await self.dead_letter(entry_id, f"delivered {deliveries} times without finishing", raw,
                                    deliveries, "deliveries", entry=entry)
             return
-        if entry.rid in svc.inflight:
+        if entry.rid in self.table.requests:
             return
         keys, rid = self.keys, entry.rid
 
         async def claim():
-            async with svc.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
-                pipe.hset(keys.meta(rid), META_OWNER, svc.worker_id)
+            async with self.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
+                pipe.hset(keys.meta(rid), META_OWNER, self.worker_id)
                 pipe.hsetnx(keys.meta(rid), META_KEY, entry.key_id)
                 if entry.gw:
                     pipe.hsetnx(keys.meta(rid), META_GW, entry.gw)
@@ -260,36 +264,35 @@ class Intake:
         decision = failover.decide(entry, progress, history)
         if decision.action == "ack":     # finished before its worker died: ack only
             st.engine_done = st.final_written = True
-            await with_backoff(lambda: svc.redis.hdel(keys.meta(rid), META_OWNER), "release owner")
+            await with_backoff(lambda: self.redis.hdel(keys.meta(rid), META_OWNER), "release owner")
         elif cancelled:
             st.finish_done("cancelled")
         elif decision.action == "lost":
-            svc.stats["lost"] += 1
+            self.stats.lost += 1
             st.finish_error(ErrorCode.WORKER_LOST, failover.LOST_MESSAGE)
         if st.engine_done:
-            svc.inflight[rid] = st        # until its final is written (retried if refused)
-            await with_backoff(lambda: svc.writer.commit([st]), "finish request")
+            self.table.requests[rid] = st        # until its final is written (retried if refused)
+            await with_backoff(lambda: self.writer.commit([st]), "finish request")
             return
         if decision.action == "continue":
-            svc.stats["continued"] += 1
+            self.stats.continued += 1
             log.info("continuing %s after its %d delivered tokens", rid, len(decision.generated_ids))
-        svc.inflight[rid] = st
-        svc.thread.submit(Add(entry, generated_ids=decision.generated_ids))
+        self.table.requests[rid] = st
+        self.engine.submit(Add(entry, generated_ids=decision.generated_ids))
 
     async def dead_letter(self, entry_id: str, reason: str, raw: bytes | None, deliveries: int, kind: str,
                           entry: RequestEntry | None = None) -> None:
-        svc = self.svc
         rid = entry.rid if entry else failover.rid_of_raw(raw)
-        svc.stats["dead"] += 1
+        self.stats.dead += 1
         log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
-        fields = failover.dead_letter_fields(entry_id, reason, raw, svc.worker_id, deliveries)
-        if rid is None or rid in svc.inflight:
-            await with_backoff(lambda: svc.writer.commit([], [DeadLetter(entry_id, fields)]), "dead-letter")
+        fields = failover.dead_letter_fields(entry_id, reason, raw, self.worker_id, deliveries)
+        if rid is None or rid in self.table.requests:
+            await with_backoff(lambda: self.writer.commit([], [DeadLetter(entry_id, fields)]), "dead-letter")
             return
         # the final event must follow whatever earlier attempts wrote; taking the next epoch
         # fences off any earlier worker still writing
         async def take():
-            async with svc.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
+            async with self.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
                 pipe.hincrby(self.keys.meta(rid), META_EPOCH, 1)
                 pipe.expire(self.keys.meta(rid), self.settings.output_ttl_s)
                 pipe.xrevrange(self.keys.out(rid), count=1)
@@ -302,47 +305,66 @@ class Intake:
             st.engine_done = st.final_written = True
         else:
             st.finish_error(failover.DEAD_CODE[kind], f"request rejected by the worker: {reason}", retryable=False)
-        svc.inflight[rid] = st
-        await with_backoff(lambda: svc.writer.commit([st]), "dead-letter")
+        self.table.requests[rid] = st
+        await with_backoff(lambda: self.writer.commit([st]), "dead-letter")
 
     # ---- keeping our entries ----------------------------------------------------------------
 
     async def keep_fresh_loop(self) -> None:
-        svc = self.svc
         interval = max(0.1, min(self.settings.worker_heartbeat_s, self.settings.claim_idle_ms / 3000))
         while True:
             await asyncio.sleep(interval)
-            if svc.inflight:
+            if self.table.requests:
                 # retried at this loop's own pace during an outage: when Redis is back, our
                 # entries are fresh again within `interval`, inside the window peers give us
                 await with_backoff(self.keep_fresh_once, "keep fresh", backoff=Backoff(cap=interval))
 
     async def keep_fresh_once(self) -> None:
-        svc = self.svc
-        states = list(svc.inflight.values())
+        states = list(self.table.requests.values())
         if not states:
             return
-        mine = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
-                                              count=len(states) + svc.capacity + 100,
-                                              consumername=svc.worker_id)
+        mine = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
+                                              count=len(states) + self.table.capacity + 100,
+                                              consumername=self.worker_id)
         pending = {as_str(p["message_id"]) for p in mine}
         kept = []
         for st in states:
             if st.entry_id in pending:
                 kept.append(st)
-            elif svc.inflight.get(st.rid) is st and not st.final_written:
+            elif self.table.holds(st) and not st.final_written:
                 # claimed by another worker (we stalled past claim_idle_ms): it owns it now
                 log.warning("request %s was claimed by another worker; dropping it here", st.rid)
-                svc.drop(st)
+                self.table.drop(st)
         if not kept:
             return
-        async with svc.redis.pipeline(transaction=False) as pipe:
-            pipe.xclaim(self.keys.requests, CONSUMER_GROUP, svc.worker_id, 0, [st.entry_id for st in kept],
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, 0, [st.entry_id for st in kept],
                         justid=True)
             for st in kept:
                 pipe.exists(self.keys.cancel(st.rid))
                 pipe.expire(self.keys.meta(st.rid), self.settings.output_ttl_s)
             results = await pipe.execute()
         for i, st in enumerate(kept):
-            if results[1 + 2 * i] and svc.inflight.get(st.rid) is st and not st.engine_done:
-                svc.thread.submit(Cancel(st.rid))
+            if results[1 + 2 * i] and self.table.holds(st) and not st.engine_done:
+                self.engine.submit(Cancel(st.rid))
+
+    # ---- giving entries back ----------------------------------------------------------------
+
+    async def release_entries(self, entry_ids: list[str], rids: list[str] = ()) -> None:
+        """Make entries we hold claimable by any other worker right away: XCLAIM them to
+        ourselves with an IDLE far above claim_idle_ms (the next XAUTOCLAIM elsewhere takes
+        them), and clear ourselves as the owner of `rids`."""
+        idle_ms = max(10 * self.settings.claim_idle_ms, 3_600_000)
+
+        async def op():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, 0, entry_ids, idle=idle_ms,
+                            justid=True)
+                for rid in rids:
+                    pipe.hdel(self.keys.meta(rid), META_OWNER)
+                await pipe.execute()
+        try:
+            await asyncio.wait_for(with_backoff(op, "hand back"), 10)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("could not hand back %d entries; they are claimed after claim_idle_ms", len(entry_ids))
+        self.stats.handed_back += len(entry_ids)
