@@ -10,7 +10,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{q}:conc:<key_id>      | zset   | {q}     | per-API-key concurrency leases, rid -> expiry ms            |
 | p:{q}:rate:<key_id>:<m>  | string | {q}     | per-key rate-limit counter of minute m                      |
 | p:{r:<rid>}:out          | stream | {r:rid} | the request's HISTORY: ids `{seq}-0` tokens, `{seq}-1` final |
-| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, epoch, att (see META_*); TTL output_ttl_s   |
+| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att (META_*); TTL output_ttl_s |
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
 | p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
 | p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies)            |
@@ -43,6 +43,7 @@ EVENT_VERSION = 2
 META_KEY = "key"        # API key id of the request's owner (resume must present the same key)
 META_GW = "gw"          # gateway whose inbox gets the live events
 META_OWNER = "owner"    # worker running the request (absent when none)
+META_LEASE = "lease"    # ms on Redis's clock until which owner's claim holds (refreshed by it; worker.ownership)
 META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
 META_ATT = "att"        # attach counter: bumped by every resume
 

@@ -79,7 +79,8 @@ class Lifecycle:
             capacity=self.table.capacity, running=e.running, waiting=e.waiting, in_flight=self.table.running_count(),
             kv_used=e.kv_used, kv_total=e.kv_total, model=self.model_name, started_ms=self.started_ms,
             steps=e.steps, state="draining" if self.stopping() else "unhealthy" if unhealthy else "ready",
-            reason=unhealthy, preemptions=e.preemptions)
+            reason=unhealthy, preemptions=e.preemptions, fenced=self.writer.stats["fenced"],
+            dropped=self.stats.dropped, yielded=self.stats.yielded)
 
     async def heartbeat_once(self) -> None:
         await registry.heartbeat(self.redis, self.keys, self.worker_id, self.registry_fields(),
@@ -111,6 +112,10 @@ class Lifecycle:
         running = [rid for rid, st in self.table.requests.items() if not st.engine_done]
         if running:
             await self.hand_back(running)
+        try:   # entries we were waiting on (another worker's lease): claimable by others at once
+            await asyncio.wait_for(self.intake.release_contested(), 10)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("could not give back the entries we were waiting on (redis down)")
         await self._flush("write the last outputs")
         try:
             await asyncio.wait_for(with_backoff(lambda: registry.deregister(self.redis, self.keys, self.worker_id),
@@ -141,5 +146,5 @@ class Lifecycle:
         states = [self.table.requests.pop(rid) for rid in rids if rid in self.table.requests]
         if not states:
             return
-        await self.intake.release_entries([st.entry_id for st in states], [st.rid for st in states])
+        await self.intake.release_entries([st.entry_id for st in states], states)
         log.info("handed back %d requests: %s", len(states), [st.rid for st in states])
