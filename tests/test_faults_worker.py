@@ -211,22 +211,20 @@ async def test_continuation_is_exact_when_the_new_run_differs(redis_server, redi
     # a larger init scale: this model's greedy text varies, the default tiny model repeats one token
     other_model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model-b"), seed=1, initializer_range=0.5)
     keys = Keys(stream_prefix)
-    # both workers are up before the request exists (a survivor started later could miss the
-    # whole run on a fast box); the survivor is paused while the victim takes the request
+    # Deterministic roles: wa is the only worker when the request arrives (no other worker's
+    # blocked read can be served it), and is frozen once it has streamed 10 tokens, so the run
+    # cannot finish while wb starts; then wa dies and wb takes the request over.
     models = {"wa": tiny_model_dir, "wb": other_model}
-    procs = {name: start_worker(redis_server.url, stream_prefix, model, tmp_path, name=name, env=FAST_CLAIM,
-                                wait=False) for name, model in models.items()}
+    procs = {"wa": start_worker(redis_server.url, stream_prefix, models["wa"], tmp_path, name="wa", env=FAST_CLAIM)}
     try:
-        for proc in procs.values():
-            wait_for_worker(redis_server.url, stream_prefix, proc, count=2)
-        procs["wb"].signal(signal.SIGSTOP)
-        try:
-            rid = await submit(redis_client, keys, prompt=PROMPT, max_tokens=1200, temperature=0.0)
-            await wait_for_tokens(redis_client, keys, rid, 10)
-        finally:
-            procs["wb"].signal(signal.SIGCONT)
+        rid = await submit(redis_client, keys, prompt=PROMPT, max_tokens=1200, temperature=0.0)
+        await wait_for_tokens(redis_client, keys, rid, 10)
+        procs["wa"].signal(signal.SIGSTOP)
         assert await owner_of(redis_client, keys, rid) == "wa"
         survivor = "wb"
+        procs["wb"] = start_worker(redis_server.url, stream_prefix, models["wb"], tmp_path, name="wb", env=FAST_CLAIM,
+                                   wait=False)
+        wait_for_worker(redis_server.url, stream_prefix, procs["wb"], count=2)
         procs["wa"].signal(signal.SIGKILL)
         procs["wa"].popen.wait(10)
         before = await history_now(redis_client, keys, rid)
