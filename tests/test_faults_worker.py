@@ -324,12 +324,12 @@ async def deliver_to_a_frozen_worker(redis, keys: Keys, proc, consumer: str, ent
     xreadgroup, flag b), then XADD `entry`: Redis serves the blocked read, so the entry is pending
     under `consumer` and its reply sits unread in the frozen worker's socket. Proven with XPENDING
     (if the block ran out between the check and the XADD, the undelivered entry is deleted and it
-    is tried again). Only this worker may be reading the stream. Returns the entry id."""
+    is tried again). No other client may be blocked reading the stream. Returns the entry id."""
     for _ in range(50):
         proc.signal(signal.SIGSTOP)
         blocked = [c for c in await redis.client_list() if c["cmd"] == "xreadgroup" and "b" in c["flags"]]
+        assert len(blocked) <= 1, blocked
         if blocked:
-            assert len(blocked) == 1, blocked
             entry_id = await redis.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
             pending = await redis.xpending_range(keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
             if pending and pending[0]["consumer"].decode() == consumer:
@@ -352,23 +352,34 @@ async def test_a_zombie_that_wakes_leaves_the_request_to_its_new_owner(tmp_path)
     redis = aioredis.from_url(server.url)
     keys = Keys("zombie")
     zombie = start_synthetic_worker(server.url, "zombie", tmp_path, name="wz", env=ZOMBIE_ENV)
-    survivor = None
+    survivor = start_synthetic_worker(server.url, "zombie", tmp_path, name="ws", env=ZOMBIE_ENV, wait=False)
     try:
+        wait_for_worker(server.url, "zombie", survivor, count=2)
+        # the survivor-to-be is frozen too, and stays frozen until its blocked read has timed out
+        # in Redis (BLOCK 1 s): then only the zombie's read can be served the request. (Both are
+        # up beforehand, so the zombie is frozen for seconds only: a worker frozen past its
+        # blocking reader's socket timeout, 11 s, would drop the delivered reply unread.)
+        survivor.signal(signal.SIGSTOP)
+        await asyncio.sleep(1.5)
         rid = new_rid()
-        entry_id = await deliver_to_a_frozen_worker(redis, keys, zombie, "wz", RequestEntry(
-            rid=rid, params=SamplingParams(max_tokens=100_000), prompt=PROMPT, gw="g-z"))
         try:
-            survivor = start_synthetic_worker(server.url, "zombie", tmp_path, name="ws", env=ZOMBIE_ENV, wait=False)
-            # it judges wz dead (no heartbeat for WORKER_TTL_S), XCLAIMs the entry and runs it
-            deadline = time.monotonic() + 60
-            while not (await owner_of(redis, keys, rid) == "ws" and await last_seq(redis, keys, rid) >= 20):
-                assert time.monotonic() < deadline and survivor.alive(), survivor.log()[-3000:]
-                await asyncio.sleep(0.02)
-            assert (await meta_of(redis, keys, rid))["epoch"] == "1"
-            [pending] = await redis.xpending_range(keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
-            assert pending["consumer"] == b"ws"
+            entry_id = await deliver_to_a_frozen_worker(redis, keys, zombie, "wz", RequestEntry(
+                rid=rid, params=SamplingParams(max_tokens=100_000), prompt=PROMPT, gw="g-z"))
+            try:
+                survivor.signal(signal.SIGCONT)
+                # it judges wz dead (no heartbeat for WORKER_TTL_S), XCLAIMs the entry and runs it
+                deadline = time.monotonic() + 60
+                while not (await owner_of(redis, keys, rid) == "ws" and await last_seq(redis, keys, rid) >= 20):
+                    assert time.monotonic() < deadline and survivor.alive(), survivor.log()[-3000:]
+                    await asyncio.sleep(0.02)
+                assert (await meta_of(redis, keys, rid))["epoch"] == "1"
+                [pending] = await redis.xpending_range(keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id,
+                                                       count=1)
+                assert pending["consumer"] == b"ws"
+            finally:
+                zombie.signal(signal.SIGCONT)
         finally:
-            zombie.signal(signal.SIGCONT)
+            survivor.signal(signal.SIGCONT)
         # the zombie reads the entry its blocked read got; it leaves it to ws (registry counter)
         deadline = time.monotonic() + 30
         while (await worker_info(redis, keys, "wz")).get("yielded") != "1":
@@ -400,9 +411,8 @@ async def test_a_zombie_that_wakes_leaves_the_request_to_its_new_owner(tmp_path)
         assert zombie.alive()
     finally:
         for p in (zombie, survivor):
-            if p is not None:
-                p.signal(signal.SIGCONT)
-                p.stop()
+            p.signal(signal.SIGCONT)
+            p.stop()
         await redis.aclose()
         server.stop()
 
