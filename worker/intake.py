@@ -39,7 +39,7 @@ from redis.exceptions import ResponseError
 from shared.aio import wait_event
 from shared.config import Settings
 from shared.errors import ErrorCode
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, as_str
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, META_LEASE, META_OWNER, Keys, RequestEntry, as_str
 from shared.peer_liveness import PeerLiveness, server_run_id
 from worker import consumer_group, failover, registry
 from worker.engine_client import Add, Cancel, EngineClient
@@ -277,7 +277,10 @@ class Intake:
         if got.att > 0 and st.gw:
             st.marker_att = got.att
         decision = failover.decide(entry, progress, history)
-        if got.cancelled:
+        if decision.action == "ack":     # (TAKE answers Finished for these: only a final at an odd id)
+            st.engine_done = st.final_written = True
+            await with_backoff(lambda: self.redis.hdel(self.keys.meta(rid), META_OWNER, META_LEASE), "release owner")
+        elif got.cancelled:
             st.finish_done("cancelled")
         elif decision.action == "lost":
             self.stats.lost += 1
