@@ -251,3 +251,18 @@ async def gateway_in_process(settings) -> AsyncIterator[InProcessGateway]:
         yield gw
     finally:
         await gw.stop()
+
+
+def start_synthetic_worker(redis_url: str, prefix: str, log_dir: Path, *, name: str, env: dict | None = None,
+                           step_ms: float = 5.0, max_batch: int = 8, wait: bool = True) -> Proc:
+    """`python -m worker.synthetic`: the real worker service around a GPU-paced fake engine (no
+    model, starts in about a second); for faults that are about Redis and ownership."""
+    proc = spawn("worker.synthetic", _env(redis_url, prefix, {"WORKER_ID": name, **(env or {})}), log_dir, name,
+                 args=("--step-ms", str(step_ms), "--max-batch", str(max_batch)))
+    if wait:
+        try:
+            wait_for_worker(redis_url, prefix, proc)
+        except Exception:
+            proc.stop(grace=2)
+            raise
+    return proc

@@ -20,7 +20,8 @@ import pytest
 from shared.streams import RequestEntry, SamplingParams
 from tests.stack_fixtures import pid_alive
 from worker.engine_process import EngineProcess, EngineStartFailed
-from worker.engine_thread import Add, Cancel, EngineThread, notify_loop
+from worker.engine_client import Add, Cancel
+from worker.engine_thread import EngineThread
 from worker.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,9 +36,10 @@ def add(rid: str, max_tokens: int, prompt: str = "a few words") -> Add:
 
 
 async def collect(engine, rids: set[str], timeout: float = 20.0) -> dict[str, list]:
-    """Outputs per rid until each has its final, taken the way the worker's writer takes them."""
+    """Outputs per rid until each has its final, taken the way the worker's writer takes them
+    (through the EngineClient interface: the same calls for the thread and the process)."""
     woke = asyncio.Event()
-    engine.start(woke.set if isinstance(engine, EngineProcess) else notify_loop(asyncio.get_running_loop(), woke))
+    engine.start(woke.set)
     got: dict[str, list] = collections.defaultdict(list)
     open_rids = set(rids)
     deadline = time.monotonic() + timeout

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
@@ -17,11 +18,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from shared.backlog import live_workers
 from shared.localredis import LocalRedis
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
-                            decode_event_list, encode_tok,
-                            history_id)
-from tests.stack_fixtures import engine_pids, pid_alive, spawn, start_worker, wait_for_worker, _env
-from tests.worker_redis import (check_seqs, gateway_view, last_seq, new_rid, owner_of, pending_after_acks, read_events,
-                                read_inbox, submit, text_of, wait_for_tokens)
+                            decode_event_list, encode_cancel, encode_tok, history_id)
+from tests.stack_fixtures import (engine_pids, pid_alive, spawn, start_synthetic_worker, start_worker,
+                                  wait_for_worker, _env)
+from tests.worker_redis import (check_seqs, gateway_view, last_seq, meta_of, new_rid, owner_of, pending_after_acks,
+                                read_events, read_inbox, submit, text_of, wait_for_tokens, worker_info)
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
@@ -210,22 +211,20 @@ async def test_continuation_is_exact_when_the_new_run_differs(redis_server, redi
     # a larger init scale: this model's greedy text varies, the default tiny model repeats one token
     other_model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model-b"), seed=1, initializer_range=0.5)
     keys = Keys(stream_prefix)
-    # both workers are up before the request exists (a survivor started later could miss the
-    # whole run on a fast box); the survivor is paused while the victim takes the request
+    # Deterministic roles: wa is the only worker when the request arrives (no other worker's
+    # blocked read can be served it), and is frozen once it has streamed 10 tokens, so the run
+    # cannot finish while wb starts; then wa dies and wb takes the request over.
     models = {"wa": tiny_model_dir, "wb": other_model}
-    procs = {name: start_worker(redis_server.url, stream_prefix, model, tmp_path, name=name, env=FAST_CLAIM,
-                                wait=False) for name, model in models.items()}
+    procs = {"wa": start_worker(redis_server.url, stream_prefix, models["wa"], tmp_path, name="wa", env=FAST_CLAIM)}
     try:
-        for proc in procs.values():
-            wait_for_worker(redis_server.url, stream_prefix, proc, count=2)
-        procs["wb"].signal(signal.SIGSTOP)
-        try:
-            rid = await submit(redis_client, keys, prompt=PROMPT, max_tokens=1200, temperature=0.0)
-            await wait_for_tokens(redis_client, keys, rid, 10)
-        finally:
-            procs["wb"].signal(signal.SIGCONT)
+        rid = await submit(redis_client, keys, prompt=PROMPT, max_tokens=1200, temperature=0.0)
+        await wait_for_tokens(redis_client, keys, rid, 10)
+        procs["wa"].signal(signal.SIGSTOP)
         assert await owner_of(redis_client, keys, rid) == "wa"
         survivor = "wb"
+        procs["wb"] = start_worker(redis_server.url, stream_prefix, models["wb"], tmp_path, name="wb", env=FAST_CLAIM,
+                                   wait=False)
+        wait_for_worker(redis_server.url, stream_prefix, procs["wb"], count=2)
         procs["wa"].signal(signal.SIGKILL)
         procs["wa"].popen.wait(10)
         before = await history_now(redis_client, keys, rid)
@@ -313,6 +312,109 @@ async def test_a_stopped_worker_that_comes_back_is_fenced_off(redis_server, redi
         for p in procs:
             p.signal(signal.SIGCONT)
             p.stop()
+
+
+# ---- a zombie: an entry delivered to a worker that then froze ---------------------------------
+
+ZOMBIE_ENV = {"WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "CLAIM_IDLE_MS": 1500, "WORKER_FLUSH_MS": 20}
+
+
+async def deliver_to_a_frozen_worker(redis, keys: Keys, proc, consumer: str, entry: RequestEntry) -> str:
+    """SIGSTOP `proc` while its intake connection is blocked in XREADGROUP (CLIENT LIST: cmd
+    xreadgroup, flag b), then XADD `entry`: Redis serves the blocked read, so the entry is pending
+    under `consumer` and its reply sits unread in the frozen worker's socket. Proven with XPENDING
+    (if the block ran out between the check and the XADD, the undelivered entry is deleted and it
+    is tried again). No other client may be blocked reading the stream. Returns the entry id."""
+    for _ in range(50):
+        proc.signal(signal.SIGSTOP)
+        blocked = [c for c in await redis.client_list() if c["cmd"] == "xreadgroup" and "b" in c["flags"]]
+        assert len(blocked) <= 1, blocked
+        if blocked:
+            entry_id = await redis.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
+            pending = await redis.xpending_range(keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
+            if pending and pending[0]["consumer"].decode() == consumer:
+                return entry_id.decode()
+            assert not pending, pending
+            await redis.xdel(keys.requests, entry_id)
+        proc.signal(signal.SIGCONT)         # between two blocking reads: let it block again
+        await asyncio.sleep(0.05 + 0.1 * random.random())
+    raise AssertionError("never caught the worker blocked in XREADGROUP")
+
+
+async def test_a_zombie_that_wakes_leaves_the_request_to_its_new_owner(tmp_path):
+    """Issue 26. A worker blocked in XREADGROUP freezes (SIGSTOP: a GC pause, a VM freeze); Redis
+    delivers a new request to its blocked read. Its heartbeat lapses, a survivor claims the entry,
+    owns the request (epoch 1) and streams it. The frozen worker wakes and reads the delivered
+    entry: it must leave the request to its live owner without writing anything: the owner
+    stays the survivor, the epoch is bumped once, the survivor's writes are never fenced, and
+    the stream is exact. The zombie then serves new work normally."""
+    server = LocalRedis().start()        # its own server: CLIENT LIST shows only this test's workers
+    redis = aioredis.from_url(server.url)
+    keys = Keys("zombie")
+    zombie = start_synthetic_worker(server.url, "zombie", tmp_path, name="wz", env=ZOMBIE_ENV)
+    survivor = start_synthetic_worker(server.url, "zombie", tmp_path, name="ws", env=ZOMBIE_ENV, wait=False)
+    try:
+        wait_for_worker(server.url, "zombie", survivor, count=2)
+        # the survivor-to-be is frozen too, and stays frozen until its blocked read has timed out
+        # in Redis (BLOCK 1 s): then only the zombie's read can be served the request. (Both are
+        # up beforehand, so the zombie is frozen for seconds only: a worker frozen past its
+        # blocking reader's socket timeout, 11 s, would drop the delivered reply unread.)
+        survivor.signal(signal.SIGSTOP)
+        await asyncio.sleep(1.5)
+        rid = new_rid()
+        try:
+            entry_id = await deliver_to_a_frozen_worker(redis, keys, zombie, "wz", RequestEntry(
+                rid=rid, params=SamplingParams(max_tokens=100_000), prompt=PROMPT, gw="g-z"))
+            try:
+                survivor.signal(signal.SIGCONT)
+                # it judges wz dead (no heartbeat for WORKER_TTL_S), XCLAIMs the entry and runs it
+                deadline = time.monotonic() + 60
+                while not (await owner_of(redis, keys, rid) == "ws" and await last_seq(redis, keys, rid) >= 20):
+                    assert time.monotonic() < deadline and survivor.alive(), survivor.log()[-3000:]
+                    await asyncio.sleep(0.02)
+                assert (await meta_of(redis, keys, rid))["epoch"] == "1"
+                [pending] = await redis.xpending_range(keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id,
+                                                       count=1)
+                assert pending["consumer"] == b"ws"
+            finally:
+                zombie.signal(signal.SIGCONT)
+        finally:
+            survivor.signal(signal.SIGCONT)
+        # the zombie reads the entry its blocked read got; it leaves it to ws (registry counter)
+        deadline = time.monotonic() + 30
+        while (await worker_info(redis, keys, "wz")).get("yielded") != "1":
+            meta = await meta_of(redis, keys, rid)
+            assert (meta.get("owner"), meta.get("epoch")) == ("ws", "1"), meta
+            assert time.monotonic() < deadline, zombie.log()[-3000:]
+            await asyncio.sleep(0.02)
+        await wait_for_tokens(redis, keys, rid, await last_seq(redis, keys, rid) + 50)   # ws streams on
+        meta = await meta_of(redis, keys, rid)
+        assert (meta.get("owner"), meta.get("epoch")) == ("ws", "1"), meta
+        await redis.xadd(keys.ctl("ws"), {ENTRY_FIELD: encode_cancel(rid)})       # what a gateway does
+        events = await read_events(redis, keys, rid, timeout=30)
+        check_seqs(events)
+        assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "cancelled", events[-1]
+        assert {e["ep"] for e in events} == {1}
+        assert (await meta_of(redis, keys, rid)).get("epoch") == "1"
+        assert await pending_after_acks(redis, keys) == 0
+        # no write of the survivor was refused, none of its requests dropped; the zombie dropped
+        # nothing it had started either (it never started this one)
+        await asyncio.sleep(1.0)                                  # one more heartbeat of each
+        ws, wz = await worker_info(redis, keys, "ws"), await worker_info(redis, keys, "wz")
+        assert (ws["fenced"], ws["dropped"], ws["yielded"]) == ("0", "0", "0"), ws
+        assert (wz["fenced"], wz["dropped"], wz["yielded"]) == ("0", "0", "1"), wz
+        # the zombie serves new work afterwards (alone: the survivor has stopped)
+        assert survivor.stop() == 0 and zombie.alive()
+        more = await submit(redis, keys, max_tokens=30)
+        events = await read_events(redis, keys, more, timeout=30)
+        assert events[-1]["k"] == "done" and {e["ep"] for e in events} == {1}
+        assert zombie.alive()
+    finally:
+        for p in (zombie, survivor):
+            p.signal(signal.SIGCONT)
+            p.stop()
+        await redis.aclose()
+        server.stop()
 
 
 async def test_a_killed_workers_streams_continue_within_3_s_with_default_settings(

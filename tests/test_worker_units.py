@@ -129,3 +129,31 @@ def test_synthetic_engine_paces_steps_continues_and_cancels():
     assert eng.num_running == 1 and eng.num_waiting == 0 and eng.cancel("c") and not eng.cancel("zz")
     final = eng.step()
     assert [(o.rid, o.finish_reason) for o in final] == [("c", "cancelled")] and not eng.has_work
+
+
+def test_the_engine_thread_and_the_engine_process_are_both_engine_clients():
+    """The service talks to worker.engine_client.EngineClient only; both implementations have
+    every member of it, with the same signature (EngineProcess is not launched here)."""
+    import functools
+    import inspect
+
+    from worker.engine_client import EngineClient
+    from worker.engine_process import EngineProcess
+    from worker.engine_thread import EngineThread
+    from worker.synthetic import SyntheticEngine
+
+    members = set(EngineClient.__annotations__) | {n for n, v in vars(EngineClient).items()
+                                                   if callable(v) and not n.startswith("_")}
+    assert {"start", "submit", "take_outputs", "is_alive", "stop", "running", "waiting", "kv_used", "kv_total",
+            "preemptions", "steps", "unhealthy_reason"} <= members
+    clients = (EngineThread(SyntheticEngine(max_batch=2, step_ms=1), max_prompt_tokens=10, buffer_max=10),
+               EngineProcess(functools.partial(SyntheticEngine, max_batch=2, step_ms=1), max_prompt_tokens=10,
+                             buffer_max=10))
+    for client in clients:
+        for name in members:
+            assert hasattr(client, name), (type(client).__name__, name)
+            want = getattr(EngineClient, name, None)
+            if callable(want):
+                params = list(inspect.signature(getattr(client, name)).parameters)
+                assert params[:len(inspect.signature(want).parameters) - 1] == \
+                    list(inspect.signature(want).parameters)[1:], (type(client).__name__, name, params)

@@ -151,3 +151,13 @@ async def pending_after_acks(redis, keys: Keys, timeout: float = 10.0) -> int:
         if not pending or time.monotonic() > deadline:
             return pending
         await asyncio.sleep(0.05)
+
+
+async def worker_info(redis, keys: Keys, worker: str) -> dict[str, str]:
+    """A worker's registry hash (`p:{w:<id>}:info`, refreshed with every heartbeat) as strings."""
+    return {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.worker(worker))).items()}
+
+
+async def meta_of(redis, keys: Keys, rid: str) -> dict[str, str]:
+    """rid's meta hash (owner, epoch, lease, gw, ...) as strings."""
+    return {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.meta(rid))).items()}

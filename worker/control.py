@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import msgpack
 
-from shared.streams import ENTRY_FIELD, as_str
-from worker.engine_thread import Cancel
+from shared.streams import ENTRY_FIELD, Keys, as_str
+from worker.engine_client import Cancel, EngineClient
+from worker.inflight import InFlightTable
+from worker.output_writer import OutputWriter
 from worker.redis_io import with_backoff
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
 
 log = logging.getLogger("worker.control")
 
@@ -31,17 +29,22 @@ BLOCK_MS = 1000
 
 
 class Control:
-    def __init__(self, svc: "WorkerService"):
-        self.svc = svc
+    def __init__(self, *, blocking_redis, keys: Keys, worker_id: str, table: InFlightTable, engine: EngineClient,
+                 writer: OutputWriter):
+        self.blocking_redis = blocking_redis     # XREAD ... BLOCK only
+        self.keys = keys
+        self.worker_id = worker_id
+        self.table = table
+        self.engine = engine
+        self.writer = writer
 
     async def loop(self) -> None:
-        svc = self.svc
-        key = svc.keys.ctl(svc.worker_id)
+        key = self.keys.ctl(self.worker_id)
         # An explicit id, not "$": with "$" every XREAD that times out would restart from the
         # then-newest entry, dropping a message that lands between two calls.
         last_id = f"{int(time.time() * 1000)}-0"
         while True:
-            resp = await with_backoff(lambda: svc.ctl_redis.xread({key: last_id}, count=256, block=BLOCK_MS),
+            resp = await with_backoff(lambda: self.blocking_redis.xread({key: last_id}, count=256, block=BLOCK_MS),
                                       "read control")
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
@@ -49,24 +52,23 @@ class Control:
                     await self.handle(fields.get(ENTRY_FIELD))
 
     async def handle(self, raw: bytes | None) -> None:
-        svc = self.svc
         try:
             msg = msgpack.unpackb(raw, raw=False)
             kind, rid = msg["k"], msg["rid"]
         except Exception:
             log.warning("ignoring malformed control entry %r", raw[:100] if raw else raw)
             return
-        st = svc.inflight.get(rid)
+        st = self.table.requests.get(rid)
         if kind == "cancel":
             if st is not None and not st.engine_done:
-                svc.thread.submit(Cancel(rid))
+                self.engine.submit(Cancel(rid))
         elif kind == "attach":
             gw, att = msg.get("gw"), msg.get("att")
             if not isinstance(gw, str) or not gw or not isinstance(att, int):
                 log.warning("ignoring malformed attach %r", msg)
             elif st is not None:
-                await with_backoff(lambda: svc.writer.attach(st, gw, att), "attach")
+                await with_backoff(lambda: self.writer.attach(st, gw, att), "attach")
             else:
-                await with_backoff(lambda: svc.writer.attach_unknown(rid, gw, att), "attach")
+                await with_backoff(lambda: self.writer.attach_unknown(rid, gw, att), "attach")
         else:
             log.warning("ignoring control entry of unknown kind %r", kind)

@@ -1,4 +1,5 @@
-"""The engine in a child process of its own (vLLM v1's EngineCore split), behind EngineThread's API.
+"""The engine in a child process of its own (vLLM v1's EngineCore split): an `EngineClient`
+(worker.engine_client), as EngineThread is.
 
 Why: the engine's host work (scheduling, preparing inputs, sampling, detokenizing: tens of µs a
 row a step) and the service's Redis I/O (5-15 µs of Python a token in the output writer) shared
@@ -37,7 +38,8 @@ import msgpack
 from shared.errors import ErrorCode
 from shared.streams import RequestEntry
 from worker.engine import StepOutput
-from worker.engine_thread import Add, Cancel, EngineThread
+from worker.engine_client import Add, Cancel, EngineClient
+from worker.engine_thread import EngineThread
 
 log = logging.getLogger("worker.engine")
 
@@ -77,11 +79,12 @@ def build_model_engine(settings) -> object:
     return Engine(model, tokenizer, EngineConfig.from_settings(settings))
 
 
-def start_engine(build: Callable[[], object], settings) -> object:
-    """The engine the worker service runs: launched in its own process (ENGINE_PROCESS, the
-    default) or built here for a thread of this process."""
+def start_engine(build: Callable[[], object], settings) -> EngineClient:
+    """The engine client the worker service runs: the engine launched in its own process
+    (ENGINE_PROCESS, the default; `build` runs there), or built here and run in a thread of
+    this process."""
     if not settings.engine_process:
-        return build()
+        return EngineThread(build(), max_prompt_tokens=settings.max_prompt_tokens, buffer_max=settings.output_buffer_max)
     proc = EngineProcess(build, max_prompt_tokens=settings.max_prompt_tokens, buffer_max=settings.output_buffer_max)
     proc.launch()
     return proc
@@ -90,8 +93,8 @@ def start_engine(build: Callable[[], object], settings) -> object:
 # ---- the parent's side ---------------------------------------------------------------------
 
 class EngineProcess:
-    """Same surface as EngineThread (submit, take_outputs, is_alive, stop, load figures); `start`
-    must run on the event loop that takes the outputs (it reads the pipe there)."""
+    """An EngineClient whose engine runs in a child process; `start` must run on the event loop
+    that takes the outputs (it reads the pipe there)."""
 
     MESSAGES_PER_WAKE = 16   # then the loop runs other callbacks before reading on
 

@@ -1,4 +1,6 @@
 """The engine's own thread: the only place `Engine` methods are called (it is not thread-safe).
+An `EngineClient` (worker.engine_client); in the worker process with ENGINE_PROCESS=false, and
+inside the engine process otherwise (worker.engine_process).
 
 The asyncio side (Redis I/O) talks to it through a thread-safe inbox of add/cancel/drop commands
 that is drained before every step, so a cancel takes effect at the next step boundary. Step
@@ -13,12 +15,13 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from shared.errors import ErrorCode
-from shared.streams import RequestEntry
 from worker.engine import EngineRejected, EngineRequest, StepOutput, build_prompt_ids
+from worker.engine_client import Add, Cancel
+
+__all__ = ["Add", "Cancel", "EngineThread", "error_output", "on_loop"]
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -26,18 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("worker.engine")
 
 FAILED_STEPS_UNHEALTHY = 3   # consecutive steps that only failed before the engine is declared unhealthy
-
-
-@dataclass
-class Add:
-    entry: RequestEntry
-    generated_ids: list[int] = field(default_factory=list)  # continuation: tokens an earlier run delivered
-
-
-@dataclass
-class Cancel:
-    rid: str
-    silent: bool = False  # drop without a final output (the request was handed to another worker)
 
 
 def error_output(rid: str, code: ErrorCode, message: str, prompt_tokens: int = 0) -> StepOutput:
@@ -75,8 +66,11 @@ class EngineThread:
     # ---- called from the asyncio side -----------------------------------------------------
 
     def start(self, on_output: Callable[[], None] | None = None) -> None:
+        """Start stepping. `on_output` (EngineClient.start), when given, runs on the calling
+        event loop whenever outputs were buffered; without it, the constructor's callback runs
+        in the engine thread itself (the engine process's pipe link)."""
         if on_output is not None:
-            self._on_output = on_output
+            self._on_output = on_loop(asyncio.get_running_loop(), on_output)
         self._thread.start()
 
     def submit(self, command: Add | Cancel) -> None:
@@ -92,9 +86,6 @@ class EngineThread:
             self._buffered = 0
             self._cond.notify_all()
         return [o for batch in batches for o in batch]
-
-    def has_outputs(self) -> bool:
-        return bool(self._outputs)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -197,11 +188,11 @@ class EngineThread:
         return outs
 
 
-def notify_loop(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
-    """A thread-safe callback that sets an asyncio.Event on `loop`."""
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> Callable[[], None]:
+    """A callback, safe to call from any thread, that runs `fn` on `loop`."""
     def notify() -> None:
         try:
-            loop.call_soon_threadsafe(event.set)
+            loop.call_soon_threadsafe(fn)
         except RuntimeError:  # loop closed during shutdown
             pass
     return notify

@@ -1,6 +1,7 @@
 """Taking work in: read new request entries, claim a dead worker's, and keep ours claimed.
 
-Why its own module: ownership of a request entry is decided here and only here.
+Why its own module: ownership of a request entry is decided here and only here (with the
+scripts of worker.ownership).
 
 * intake: XREADGROUP only as many new entries as the engine has free slots (an idle worker
   elsewhere gets the rest instead of this one hoarding them);
@@ -9,13 +10,19 @@ Why its own module: ownership of a request entry is decided here and only here.
   rest (hand-backs, workers gone from the registry); see worker.failover for what happens to a
   request another worker started. A dead worker with nothing left pending is forgotten
   (registry entry, control stream, group consumer);
-* accept: one MULTI on the request's slot {r:rid} sets meta.owner, bumps meta.epoch, reads the
-  cancel flag, the history (progress, and the delivered token ids a continuation starts from)
-  and meta.gw / meta.att (where live events go; whether someone resumed, so an attach marker
-  goes first);
-* keep-fresh: XCLAIM ... JUSTID of our own pending entries resets their idle time, so a slow
-  but healthy worker's requests are never claimed away; notices requests claimed away anyway
-  (after a long stall) and drops them; polls the cancel flags;
+* accept: one script on the request's slot {r:rid} (worker.ownership.TAKE) makes us the owner
+  only if the request is unowned, already ours, or its owner's lease lapsed; it bumps
+  meta.epoch and reads the cancel flag, the history (progress, and the delivered token ids a
+  continuation starts from) and meta.gw / meta.att (where live events go; whether someone
+  resumed, so an attach marker goes first);
+* contest: an entry delivered to us (a blocked read served while we were frozen, a claim)
+  for a request another worker holds a live lease on is not run and nothing is written: we look
+  again when that lease ends. Lapsed (its owner died): we take it. Refreshed (its owner lives):
+  we leave it to the owner, without a write and without an ack ("yielded");
+* keep-fresh: per request we own, extend the lease and read the cancel flag (worker.ownership.KEEP);
+  a request whose epoch moved on was taken over: dropped here. Then XCLAIM ... JUSTID of every
+  entry we own: resets its idle time (a slow but healthy worker's requests are never claimed
+  away), and brings back one another consumer claimed (the PEL follows meta ownership);
 * poison entries are dead-lettered through the output writer's commit (final error, then
   dead-letter XADD + XACK in one MULTI on slot {q}).
 """
@@ -25,23 +32,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
 from shared.aio import wait_event
+from shared.config import Settings
 from shared.errors import ErrorCode
-from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_ATT, META_EPOCH, META_GW, META_KEY, META_OWNER,
-                            RequestEntry, as_str, decode_event)
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, META_LEASE, META_OWNER, Keys, RequestEntry, as_str
 from shared.peer_liveness import PeerLiveness, server_run_id
 from worker import consumer_group, failover, registry
-from worker.engine_thread import Add, Cancel
-from worker.events import InFlight, progress_from_last
-from worker.output_writer import DeadLetter
+from worker.engine_client import Add, Cancel, EngineClient
+from worker.events import InFlight, Progress, progress_from_last
+from worker.inflight import InFlightTable, Stats
+from worker.output_writer import DeadLetter, OutputWriter
+from worker.ownership import Finished, Held, Ownership, Taken
 from worker.redis_io import TRANSIENT, Backoff, with_backoff
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
 
 log = logging.getLogger("worker.intake")
 
@@ -49,13 +55,36 @@ BLOCK_MS = 1000          # XREAD BLOCK of the intake loop (bounds SIGTERM reacti
 TRIM_EVERY_S = 10.0
 DEAD_CHECK_S = 0.25      # how often the registry is checked for workers whose heartbeat lapsed
 MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
+RECHECK_MARGIN_S = 0.05  # a contested entry is looked at again this long after the owner's lease ends
+
+
+@dataclass
+class Contest:
+    """An entry delivered to us for a request another worker holds a live lease on."""
+    entry_id: str
+    fields: dict
+    deliveries: int
+    owner: str
+    deadline_ms: int         # the owner's lease when we last looked (Redis's clock)
+    recheck_at: float        # time.monotonic() at which to look again
 
 
 class Intake:
-    def __init__(self, svc: "WorkerService"):
-        self.svc = svc
-        self.keys = svc.keys
-        self.settings = svc.settings
+    def __init__(self, *, redis, blocking_redis, keys: Keys, settings: Settings, worker_id: str,
+                 table: InFlightTable, engine: EngineClient, writer: OutputWriter, stats: Stats,
+                 stop: asyncio.Event):
+        self.redis = redis                       # claims, meta, hand-back
+        self.blocking_redis = blocking_redis     # XREADGROUP ... BLOCK only
+        self.keys = keys
+        self.settings = settings
+        self.worker_id = worker_id
+        self.table = table
+        self.engine = engine
+        self.writer = writer
+        self.stats = stats
+        self.stop = stop
+        self.ownership = Ownership(redis, keys, settings, worker_id)
+        self.contested: dict[str, Contest] = {}   # entry id -> a request another worker holds
         self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
         # who is dead: not judged while Redis (or this process) was away (shared.peer_liveness)
         self.peers = PeerLiveness(self.settings.worker_ttl_s, what="peer workers")
@@ -63,35 +92,38 @@ class Intake:
     async def ensure_group(self) -> None:
         """Create or join the group, and put its counters right (a new Redis may have loaded
         them stale: worker.consumer_group)."""
-        await consumer_group.ensure_group(self.svc.redis, self.keys)
-        await consumer_group.resync_entries_read(self.svc.redis, self.keys)
+        await consumer_group.ensure_group(self.redis, self.keys)
+        await consumer_group.resync_entries_read(self.redis, self.keys)
 
     # ---- new entries ------------------------------------------------------------------------
 
+    def stopping(self) -> bool:
+        return self.stop.is_set()
+
     async def intake_loop(self) -> None:
-        svc = self.svc
-        while not svc.stopping:
-            free = svc.free_slots()
+        table = self.table
+        while not self.stopping():
+            free = table.free_slots()
             if free <= 0:
-                svc.capacity_event.clear()
-                if svc.free_slots() <= 0:
-                    await svc.capacity_event.wait()
+                table.capacity_event.clear()
+                if table.free_slots() <= 0:
+                    await table.capacity_event.wait()
                 continue
             try:
                 resp = await with_backoff(
-                    lambda: svc.intake_redis.xreadgroup(CONSUMER_GROUP, svc.worker_id, {self.keys.requests: ">"},
-                                                        count=free, block=BLOCK_MS),
-                    "read requests", lambda: svc.stopping)
+                    lambda: self.blocking_redis.xreadgroup(CONSUMER_GROUP, self.worker_id, {self.keys.requests: ">"},
+                                                           count=free, block=BLOCK_MS),
+                    "read requests", self.stopping)
             except asyncio.CancelledError:
                 return
             except ResponseError as exc:  # NOGROUP: the stream was deleted under us
                 log.warning("xreadgroup failed (%s); recreating the group", exc)
                 await asyncio.sleep(0.2)
-                await with_backoff(self.ensure_group, "create consumer group", lambda: svc.stopping)
+                await with_backoff(self.ensure_group, "create consumer group", self.stopping)
                 continue
             entries = [(as_str(i), f) for _stream, got in resp or [] for i, f in got]
-            if entries and svc.unhealthy:   # it turned unhealthy while this read was blocked
-                await svc.lifecycle.release_entries([i for i, _ in entries])
+            if entries and table.unhealthy:   # it turned unhealthy while this read was blocked
+                await self.release_entries([i for i, _ in entries])
                 log.warning("engine unhealthy: handed back %d new entries", len(entries))
                 continue
             for entry_id, fields in entries:
@@ -100,7 +132,7 @@ class Intake:
     # ---- entries of dead workers ------------------------------------------------------------
 
     async def claim_loop(self) -> None:
-        svc = self.svc
+        table = self.table
         # A dead worker is known from the registry as soon as its heartbeat lapses: its entries
         # are claimed then (checked every DEAD_CHECK_S), whatever our free slots, ahead of new
         # intake (which waits while we are full). XAUTOCLAIM after claim_idle_ms is the fallback
@@ -111,17 +143,18 @@ class Intake:
         # window to beat and refresh their entries again (shared.peer_liveness).
         scan_every = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
         last_trim = last_scan = 0.0
-        while not svc.stopping:
-            if await wait_event(svc.stop_event, DEAD_CHECK_S):
+        while not self.stopping():
+            if await wait_event(self.stop, DEAD_CHECK_S):
                 return
             try:
-                await with_backoff(self.claim_dead_workers, "claim from dead workers", lambda: svc.stopping)
-                free = svc.free_slots()
+                await with_backoff(self.claim_dead_workers, "claim from dead workers", self.stopping)
+                await self.recheck_contested()
+                free = table.free_slots()
                 if free > 0 and self.peers.judging() and time.monotonic() - last_scan >= scan_every:
-                    await with_backoff(lambda: self.claim_once(free), "claim", lambda: svc.stopping)
+                    await with_backoff(lambda: self.claim_once(free), "claim", self.stopping)
                     last_scan = time.monotonic()
                 if time.monotonic() - last_trim > TRIM_EVERY_S:
-                    await with_backoff(self.tend_group, "trim", lambda: svc.stopping)
+                    await with_backoff(self.tend_group, "trim", self.stopping)
                     last_trim = time.monotonic()
             except asyncio.CancelledError:
                 return
@@ -132,11 +165,10 @@ class Intake:
         """XAUTOCLAIM up to `count` idle entries, following its cursor: Redis scans at most
         10 x COUNT pending entries a call, so with one free slot behind a hundred busy entries
         a scan from 0-0 every time would never reach the idle ones further on."""
-        svc = self.svc
         claimed: list = []
         for _ in range(MAX_SCAN_CALLS):
-            self.cursor, entries, deleted = (await svc.redis.xautoclaim(
-                self.keys.requests, CONSUMER_GROUP, svc.worker_id, self.settings.claim_idle_ms,
+            self.cursor, entries, deleted = (await self.redis.xautoclaim(
+                self.keys.requests, CONSUMER_GROUP, self.worker_id, self.settings.claim_idle_ms,
                 start_id=self.cursor, count=count - len(claimed)))[:3]
             self.cursor = as_str(self.cursor)
             if deleted:
@@ -148,19 +180,17 @@ class Intake:
 
     async def tend_group(self) -> None:
         """Trim finished entries; re-sync the group's counters if they are visibly off."""
-        svc = self.svc
-        await consumer_group.trim_finished(svc.redis, self.keys)
-        if await consumer_group.counters_look_wrong(svc.redis, self.keys):
-            await consumer_group.resync_entries_read(svc.redis, self.keys)
+        await consumer_group.trim_finished(self.redis, self.keys)
+        if await consumer_group.counters_look_wrong(self.redis, self.keys):
+            await consumer_group.resync_entries_read(self.redis, self.keys)
 
     async def watch_redis(self) -> None:
         """One liveness round: which Redis server answers, and how promptly. A new server
         (restart, failover) means stale heartbeats, idle times and group counters."""
-        svc = self.svc
         sent_at = self.peers.clock()
-        run_id = await server_run_id(svc.redis, self.keys.workers)
+        run_id = await server_run_id(self.redis, self.keys.workers)
         if self.peers.observe(run_id, sent_at):
-            await consumer_group.resync_entries_read(svc.redis, self.keys)
+            await consumer_group.resync_entries_read(self.redis, self.keys)
 
     async def claim_dead_workers(self) -> None:
         """Claim the entries of every worker whose registry heartbeat is older than
@@ -173,27 +203,26 @@ class Intake:
             raise
 
     async def _claim_dead_workers(self) -> None:
-        svc = self.svc
         cutoff = self.peers.cutoff_ms()
-        if svc.unhealthy or cutoff is None:
+        if self.table.unhealthy or cutoff is None:
             return
-        silent = await svc.redis.zrangebyscore(self.keys.workers, "-inf", cutoff)
-        room = svc.capacity
+        silent = await self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff)
+        room = self.table.capacity
         for dead in (as_str(w) for w in silent):
-            if dead == svc.worker_id or room <= 0:
+            if dead == self.worker_id or room <= 0:
                 continue
-            pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
-                                                     count=room, consumername=dead)
+            pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
+                                                      count=room, consumername=dead)
             if not pending:
-                await registry.forget_dead(svc.redis, self.keys, dead)
+                await registry.forget_dead(self.redis, self.keys, dead)
                 log.info("worker %s is dead and owns nothing any more: removed its registry entry, control "
                          "stream and consumer", dead)
                 continue
             # min-idle: of two survivors claiming at once only one gets each entry (XCLAIM resets
             # the idle time), and an entry the dead worker refreshed just before dying still qualifies
             min_idle = int(self.settings.worker_ttl_s * 500)
-            claimed = await svc.redis.xclaim(self.keys.requests, CONSUMER_GROUP, svc.worker_id, min_idle,
-                                             [p["message_id"] for p in pending])
+            claimed = await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, min_idle,
+                                              [p["message_id"] for p in pending])
             claimed = [(as_str(i), f) for i, f in claimed if f]
             if claimed:
                 log.info("worker %s is dead (no heartbeat for %.1f s): claimed %d of its requests", dead,
@@ -204,145 +233,225 @@ class Intake:
     async def _accept_claimed(self, entries: list) -> None:
         if not entries:
             return
-        svc = self.svc
         # delivery counts (the claim has already counted this delivery)
         ids = sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))
-        pending = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
-                                                 max=ids[-1][0], count=len(entries) + 100,
-                                                 consumername=svc.worker_id)
+        pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
+                                                  max=ids[-1][0], count=len(entries) + 100,
+                                                  consumername=self.worker_id)
         deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
-        ours = {st.entry_id for st in svc.inflight.values()}
+        ours = {st.entry_id for st in self.table.requests.values()} | set(self.contested)
         for entry_id, fields in entries:
             if entry_id in ours:
                 continue
-            svc.stats["claimed"] += 1
+            self.stats.claimed += 1
             await self.accept(entry_id, fields, deliveries=deliveries.get(entry_id, 2))
 
     # ---- taking one entry -------------------------------------------------------------------
 
     async def accept(self, entry_id: str, fields: dict, deliveries: int) -> None:
-        """Take ownership of one delivered entry: validate, claim it in meta, decide, run."""
-        svc = self.svc
+        """One delivered entry: validate it, become the request's owner (or learn that a live
+        worker is), decide, run."""
+        prev = self.contested.pop(entry_id, None)
         raw = fields.get(ENTRY_FIELD) if fields else None
         try:
             entry = RequestEntry.decode(raw if raw is not None else b"")
         except ValueError as exc:
-            await self.dead_letter(entry_id, str(exc), raw, deliveries, "invalid")
+            await self.dead_letter(entry_id, str(exc), raw, deliveries, "invalid", fields=fields, prev=prev)
             return
-        if deliveries > self.settings.max_deliveries:
-            await self.dead_letter(entry_id, f"delivered {deliveries} times without finishing", raw,
-                                   deliveries, "deliveries", entry=entry)
+        if entry.rid in self.table.requests:
             return
-        if entry.rid in svc.inflight:
+        rid = entry.rid
+        got = await self._take(entry_id, fields, deliveries, rid, prev, key_id=entry.key_id, gw=entry.gw)
+        if got is None:
             return
-        keys, rid = self.keys, entry.rid
-
-        async def claim():
-            async with svc.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
-                pipe.hset(keys.meta(rid), META_OWNER, svc.worker_id)
-                pipe.hsetnx(keys.meta(rid), META_KEY, entry.key_id)
-                if entry.gw:
-                    pipe.hsetnx(keys.meta(rid), META_GW, entry.gw)
-                pipe.hincrby(keys.meta(rid), META_EPOCH, 1)
-                pipe.hmget(keys.meta(rid), [META_GW, META_ATT])
-                pipe.expire(keys.meta(rid), self.settings.output_ttl_s)
-                pipe.exists(keys.cancel(rid))
-                # the whole history (empty for a new request): its token ids are what a
-                # continuation starts from, read in the same MULTI that makes us the owner
-                pipe.xrange(keys.out(rid))
-                return await pipe.execute()
-        *_, epoch, (gw, att), _, cancelled, raw_history = await with_backoff(claim, "claim request")
-        history = [decode_event(fields[ENTRY_FIELD]) for _id, fields in raw_history]
+        if isinstance(got, Finished):     # finished before its worker could ack it: ack only
+            await self._ack_finished(rid, entry_id, entry)
+            return
+        history = got.history
         progress = progress_from_last(history[-1] if history else None)
-        st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), gw=as_str(gw) if gw else "")
-        if att and int(att) > 0 and st.gw:
-            st.marker_att = int(att)
+        if deliveries > self.settings.max_deliveries:
+            await self._dead_letter_taken(entry_id, f"delivered {deliveries} times without finishing", raw,
+                                          deliveries, "deliveries", rid, got, progress, entry)
+            return
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, gw=got.gw)
+        if got.att > 0 and st.gw:
+            st.marker_att = got.att
         decision = failover.decide(entry, progress, history)
-        if decision.action == "ack":     # finished before its worker died: ack only
+        if decision.action == "ack":     # (TAKE answers Finished for these: only a final at an odd id)
             st.engine_done = st.final_written = True
-            await with_backoff(lambda: svc.redis.hdel(keys.meta(rid), META_OWNER), "release owner")
-        elif cancelled:
+            await with_backoff(lambda: self.redis.hdel(self.keys.meta(rid), META_OWNER, META_LEASE), "release owner")
+        elif got.cancelled:
             st.finish_done("cancelled")
         elif decision.action == "lost":
-            svc.stats["lost"] += 1
+            self.stats.lost += 1
             st.finish_error(ErrorCode.WORKER_LOST, failover.LOST_MESSAGE)
         if st.engine_done:
-            svc.inflight[rid] = st        # until its final is written (retried if refused)
-            await with_backoff(lambda: svc.writer.commit([st]), "finish request")
+            self.table.requests[rid] = st        # until its final is written (retried if refused)
+            await with_backoff(lambda: self.writer.commit([st]), "finish request")
             return
         if decision.action == "continue":
-            svc.stats["continued"] += 1
+            self.stats.continued += 1
             log.info("continuing %s after its %d delivered tokens", rid, len(decision.generated_ids))
-        svc.inflight[rid] = st
-        svc.thread.submit(Add(entry, generated_ids=decision.generated_ids))
+        self.table.requests[rid] = st
+        self.engine.submit(Add(entry, generated_ids=decision.generated_ids))
+
+    async def _take(self, entry_id: str, fields: dict, deliveries: int, rid: str, prev: Contest | None, *,
+                    key_id: str, gw: str = "", whole_history: bool = True) -> Taken | Finished | None:
+        """Become rid's owner (worker.ownership.TAKE). None: another worker holds a live lease
+        on it, and nothing was written; the entry is contested (looked at again when that
+        lease ends) or, if that owner proved alive since `prev`, left to it."""
+        got = await with_backoff(lambda: self.ownership.take(rid, key_id=key_id, gw=gw, whole_history=whole_history),
+                                 "take request")
+        if isinstance(got, Held):
+            self._contest(entry_id, fields, deliveries, rid, got, prev)
+            return None
+        if prev is not None:
+            log.info("worker %s's lease on %s lapsed (it died): taking the request", prev.owner, rid)
+        return got
+
+    def _contest(self, entry_id: str, fields: dict, deliveries: int, rid: str, held: Held,
+                 prev: Contest | None) -> None:
+        if prev is not None and (held.owner != prev.owner or held.deadline_ms > prev.deadline_ms):
+            # its owner refreshed the lease (alive), or another worker took it: it is theirs.
+            # No write, no ack: the owner's keep-fresh brings the entry back to its own PEL.
+            self.stats.yielded += 1
+            log.info("request %s (entry %s) belongs to worker %s, which is alive: leaving it to it", rid, entry_id,
+                     held.owner)
+            return
+        if prev is None:
+            log.info("request %s (entry %s) is held by worker %s for %d ms more: looking again then", rid, entry_id,
+                     held.owner, held.remaining_ms)
+        self.contested[entry_id] = Contest(entry_id, fields, deliveries, held.owner, held.deadline_ms,
+                                           time.monotonic() + held.remaining_ms / 1000 + RECHECK_MARGIN_S)
+
+    async def recheck_contested(self) -> None:
+        """Look again at contested entries whose owner's lease has ended by now."""
+        if not self.contested:
+            return
+        if self.table.unhealthy:      # we cannot run them: make those we hold claimable elsewhere
+            await self.release_contested()
+            return
+        now = time.monotonic()
+        for c in [c for c in self.contested.values() if c.recheck_at <= now]:
+            await self.accept(c.entry_id, c.fields, c.deliveries)
+
+    async def release_contested(self) -> None:
+        """Forget the contested entries (we stop, or cannot run them); those still pending
+        under us become claimable by others at once (a live owner takes its own back anyway)."""
+        contested, self.contested = list(self.contested), {}
+        if not contested:
+            return
+        mine = await with_backoff(lambda: self.redis.xpending_range(
+            self.keys.requests, CONSUMER_GROUP, min="-", max="+", count=len(self.table.requests) + len(contested) + 100,
+            consumername=self.worker_id), "read pending")
+        held = [i for i in contested if i in {as_str(p["message_id"]) for p in mine}]
+        if held:
+            await self.release_entries(held)
+
+    async def _ack_finished(self, rid: str, entry_id: str, entry: RequestEntry | None, *,
+                            dead_letter: dict | None = None, key_id: str = "") -> None:
+        """Its history already ends with a final: ack it (and release its concurrency lease)."""
+        st = InFlight.start(rid, entry_id, entry, Progress(finished=True), key_id=key_id)
+        st.engine_done = st.final_written = True
+        st.dead_letter = dead_letter
+        self.table.requests[rid] = st
+        await with_backoff(lambda: self.writer.commit([st]), "finish request")
 
     async def dead_letter(self, entry_id: str, reason: str, raw: bytes | None, deliveries: int, kind: str,
-                          entry: RequestEntry | None = None) -> None:
-        svc = self.svc
-        rid = entry.rid if entry else failover.rid_of_raw(raw)
-        svc.stats["dead"] += 1
-        log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
-        fields = failover.dead_letter_fields(entry_id, reason, raw, svc.worker_id, deliveries)
-        if rid is None or rid in svc.inflight:
-            await with_backoff(lambda: svc.writer.commit([], [DeadLetter(entry_id, fields)]), "dead-letter")
+                          *, fields: dict | None = None, prev: Contest | None = None) -> None:
+        """An entry that cannot be run: dead letter + ack, and a final error for its client when
+        its rid can be read (taking the request first, like any other entry, so a live owner
+        keeps its own request)."""
+        rid = failover.rid_of_raw(raw)
+        if rid is None or rid in self.table.requests:
+            self.stats.dead += 1
+            log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
+            dl = DeadLetter(entry_id, failover.dead_letter_fields(entry_id, reason, raw, self.worker_id, deliveries))
+            await with_backoff(lambda: self.writer.commit([], [dl]), "dead-letter")
             return
-        # the final event must follow whatever earlier attempts wrote; taking the next epoch
-        # fences off any earlier worker still writing
-        async def take():
-            async with svc.redis.pipeline(transaction=True) as pipe:   # slot {r:rid}
-                pipe.hincrby(self.keys.meta(rid), META_EPOCH, 1)
-                pipe.expire(self.keys.meta(rid), self.settings.output_ttl_s)
-                pipe.xrevrange(self.keys.out(rid), count=1)
-                return await pipe.execute()
-        epoch, _, last = await with_backoff(take, "read progress")
-        progress = progress_from_last(decode_event(last[0][1][ENTRY_FIELD]) if last else None)
-        st = InFlight.start(rid, entry_id, entry, progress, epoch=int(epoch), key_id=failover.key_id_of_raw(raw))
+        key_id = failover.key_id_of_raw(raw)
+        got = await self._take(entry_id, fields or {}, deliveries, rid, prev, key_id=key_id, whole_history=False)
+        if got is None:
+            return
+        progress = Progress(finished=True) if isinstance(got, Finished) else \
+            progress_from_last(got.history[-1] if got.history else None)
+        await self._dead_letter_taken(entry_id, reason, raw, deliveries, kind, rid, got, progress, None)
+
+    async def _dead_letter_taken(self, entry_id: str, reason: str, raw: bytes | None, deliveries: int, kind: str,
+                                 rid: str, got: Taken | Finished, progress: Progress,
+                                 entry: RequestEntry | None) -> None:
+        """Dead-letter an entry whose request we own now (`got`): its final error follows
+        whatever earlier attempts wrote (our epoch fences off any of them still writing)."""
+        self.stats.dead += 1
+        log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
+        fields = failover.dead_letter_fields(entry_id, reason, raw, self.worker_id, deliveries)
+        key_id = failover.key_id_of_raw(raw)
+        if isinstance(got, Finished):
+            await self._ack_finished(rid, entry_id, entry, dead_letter=fields, key_id=key_id)
+            return
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, key_id=key_id)
         st.dead_letter = fields
         if progress.finished:
             st.engine_done = st.final_written = True
         else:
             st.finish_error(failover.DEAD_CODE[kind], f"request rejected by the worker: {reason}", retryable=False)
-        svc.inflight[rid] = st
-        await with_backoff(lambda: svc.writer.commit([st]), "dead-letter")
+        self.table.requests[rid] = st
+        await with_backoff(lambda: self.writer.commit([st]), "dead-letter")
 
     # ---- keeping our entries ----------------------------------------------------------------
 
     async def keep_fresh_loop(self) -> None:
-        svc = self.svc
-        interval = max(0.1, min(self.settings.worker_heartbeat_s, self.settings.claim_idle_ms / 3000))
+        interval = self.ownership.interval
         while True:
             await asyncio.sleep(interval)
-            if svc.inflight:
+            if self.table.requests:
                 # retried at this loop's own pace during an outage: when Redis is back, our
-                # entries are fresh again within `interval`, inside the window peers give us
+                # entries and leases are fresh again within `interval`, inside the window peers
+                # give us
                 await with_backoff(self.keep_fresh_once, "keep fresh", backoff=Backoff(cap=interval))
 
     async def keep_fresh_once(self) -> None:
-        svc = self.svc
-        states = list(svc.inflight.values())
+        """Extend our leases and read the cancel flags; drop what was taken over; then make the
+        PEL follow meta: every entry we own is pending under us, with its idle time reset."""
+        states = list(self.table.requests.values())
         if not states:
             return
-        mine = await svc.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
-                                              count=len(states) + svc.capacity + 100,
-                                              consumername=svc.worker_id)
-        pending = {as_str(p["message_id"]) for p in mine}
+        verdicts = await self.ownership.keep(states)
         kept = []
-        for st in states:
-            if st.entry_id in pending:
-                kept.append(st)
-            elif svc.inflight.get(st.rid) is st and not st.final_written:
-                # claimed by another worker (we stalled past claim_idle_ms): it owns it now
-                log.warning("request %s was claimed by another worker; dropping it here", st.rid)
-                svc.drop(st)
-        if not kept:
-            return
-        async with svc.redis.pipeline(transaction=False) as pipe:
-            pipe.xclaim(self.keys.requests, CONSUMER_GROUP, svc.worker_id, 0, [st.entry_id for st in kept],
-                        justid=True)
-            for st in kept:
-                pipe.exists(self.keys.cancel(st.rid))
-                pipe.expire(self.keys.meta(st.rid), self.settings.output_ttl_s)
-            results = await pipe.execute()
-        for i, st in enumerate(kept):
-            if results[1 + 2 * i] and svc.inflight.get(st.rid) is st and not st.engine_done:
-                svc.thread.submit(Cancel(st.rid))
+        for st, verdict in zip(states, verdicts):
+            if verdict < 0:              # its epoch moved on: another worker took it over
+                if self.table.holds(st) and not st.final_written:
+                    log.warning("request %s was taken over by another worker (meta.epoch is past %d); dropping it "
+                                "here", st.rid, st.epoch)
+                    self.table.drop(st)
+                continue
+            kept.append(st)
+            if verdict == 1 and self.table.holds(st) and not st.engine_done:
+                self.engine.submit(Cancel(st.rid))
+        if kept:
+            # an entry another consumer claimed comes back to us (that worker found our lease
+            # alive and left the request to us); our own get their idle time reset
+            await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, 0,
+                                    [st.entry_id for st in kept], justid=True)
+
+    # ---- giving entries back ----------------------------------------------------------------
+
+    async def release_entries(self, entry_ids: list[str], states: list[InFlight] = ()) -> None:
+        """Make entries we hold claimable by any other worker right away: XCLAIM them to
+        ourselves with an IDLE far above claim_idle_ms (the next XAUTOCLAIM elsewhere takes
+        them), and clear owner and lease of the requests `states` (while still ours)."""
+        idle_ms = max(10 * self.settings.claim_idle_ms, 3_600_000)
+
+        async def op():
+            if states:
+                await self.ownership.load()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, 0, entry_ids, idle=idle_ms,
+                            justid=True)
+                self.ownership.release_in(pipe, states)
+                await pipe.execute()
+        try:
+            await asyncio.wait_for(with_backoff(op, "hand back"), 10)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("could not hand back %d entries; they are claimed after claim_idle_ms", len(entry_ids))
+        self.stats.handed_back += len(entry_ids)

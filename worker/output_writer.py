@@ -9,9 +9,9 @@ One `commit(states)` = at most three round trips, whatever the number of request
    requests (one request a call where Redis enforces slots, i.e. a cluster client or a node in
    cluster mode: a script's keys must share a slot, {r:rid});
    per request its frozen events in order; EXPIRE on this run's first write and at the final,
-   which also removes `owner` from meta. Batching matters at GPU speed: a commit writes every
-   request with news, and redis-py spends ~10 µs of client CPU per command in a pipeline
-   however small it is. The script is the FENCE: per request it writes only if `meta.epoch` is
+   which also removes `owner` and its `lease` from meta (worker.ownership). Batching matters at
+   GPU speed: a commit writes every request with news, and redis-py spends ~10 µs of client
+   CPU per command in a pipeline however small it is. The script is the FENCE: per request it writes only if `meta.epoch` is
    still the epoch this worker got when it took the request. A worker presumed dead (a long
    pause, a partition, SIGSTOP) whose request was claimed by another worker (which bumped the
    epoch) is refused atomically, in Redis; it then drops the request (`on_fenced`) without
@@ -113,7 +113,7 @@ local function append(out, meta, a)
     redis.pcall('EXPIRE', meta, ttl)
   end
   if final == '1' and redis.pcall('HGET', meta, 'owner') == worker then
-    redis.pcall('HDEL', meta, 'owner')
+    redis.pcall('HDEL', meta, 'owner', 'lease')
   end
   return added
 end

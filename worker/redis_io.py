@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Awaitable, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
@@ -25,10 +26,32 @@ T = TypeVar("T")
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
 
+BLOCKING_READ_TIMEOUT_S = 11.0   # socket timeout of the blocking readers: beyond their BLOCK (1 s)
+
+
 def connect(url: str, *, socket_timeout: float | None = 10.0):
     """A client (single node, or Redis Cluster for `redis+cluster://`) whose single commands
     survive a dropped connection (3 quick retries); see shared.redis_client."""
     return shared_connect(url, socket_timeout=socket_timeout)
+
+
+@dataclass
+class RedisClients:
+    """The worker's clients (connections open on first use). The blocking readers have their
+    own, so a read blocked for a second never holds up a claim, a heartbeat or a write."""
+    main: Any        # claims, meta, registry, hand-back: short commands
+    intake: Any      # XREADGROUP ... BLOCK on the request stream
+    control: Any     # XREAD ... BLOCK on this worker's control stream
+    output: Any      # the output writer's: no per-reply timeout (it bounds each round trip itself)
+
+    @classmethod
+    def connect(cls, url: str) -> "RedisClients":
+        return cls(main=connect(url), intake=connect(url, socket_timeout=BLOCKING_READ_TIMEOUT_S),
+                   control=connect(url, socket_timeout=BLOCKING_READ_TIMEOUT_S), output=connect(url, socket_timeout=None))
+
+    async def aclose(self) -> None:
+        for client in (self.main, self.intake, self.control, self.output):
+            await client.aclose()
 
 
 class Backoff:

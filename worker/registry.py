@@ -18,12 +18,16 @@ from shared.streams import CONSUMER_GROUP, Keys
 
 def registry_fields(*, capacity: int, running: int, waiting: int, in_flight: int, kv_used: int,
                     kv_total: int, model: str, started_ms: int, steps: int, state: str, reason: str = "",
-                    preemptions: int = 0) -> dict:
+                    preemptions: int = 0, fenced: int = 0, dropped: int = 0, yielded: int = 0) -> dict:
     return {"reason": reason,
         "capacity": capacity, "running": running, "waiting": waiting, "in_flight": in_flight,
         "kv_free": max(0, kv_total - kv_used), "kv_total": kv_total, "model": model,
         "started_ms": started_ms, "pid": os.getpid(), "steps": steps, "state": state,
         "preemptions": preemptions,   # requests whose KV blocks were taken back to recompute (total)
+        # ownership (totals): writes refused because another worker had taken the request over,
+        # requests dropped for that reason, and entries delivered to us that we left to their
+        # live owner (worker.intake); a healthy fleet keeps the first two at 0
+        "fenced": fenced, "dropped": dropped, "yielded": yielded,
         "heartbeat_ms": int(time.time() * 1000),
     }
 

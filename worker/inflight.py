@@ -1,0 +1,93 @@
+"""The requests this worker runs right now, the room left for more, and the worker's counters.
+
+Why its own module: intake adds requests, the output writer finishes or fences them, control
+and the lifecycle look them up, and each needs the same answers (how many still run, how many
+more fit, what to do with one another worker took over). They share this table, passed to each
+of them, instead of reaching into the service for its attributes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass
+
+from worker.engine_client import Cancel, EngineClient
+from worker.events import InFlight
+
+
+@dataclass
+class Stats:
+    """What the worker did with requests (logged at exit; some go into its registry entry)."""
+    finished: int = 0      # ended here: final written and acked
+    continued: int = 0     # taken over mid-stream and continued from the delivered tokens
+    lost: int = 0          # taken over with a history too incomplete to continue (worker_lost)
+    dead: int = 0          # dead-lettered
+    claimed: int = 0       # taken from another worker (dead, or handed back)
+    handed_back: int = 0   # given back on drain or when the engine failed
+    dropped: int = 0       # stopped here because another worker took them over
+    yielded: int = 0       # delivered to us, but another worker held them: left to it untouched
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class InFlightTable:
+    """Every request this worker owns, from accept until its final is written and acked."""
+
+    def __init__(self, engine: EngineClient, *, capacity: int, queue_depth: int, stats: Stats):
+        self.engine = engine
+        self.capacity = capacity            # the engine's running batch
+        self.queue_depth = queue_depth      # queued in the engine beyond it
+        self.stats = stats
+        self.requests: dict[str, InFlight] = {}
+        self.capacity_event = asyncio.Event()   # set whenever room may have opened (or we stop)
+
+    def holds(self, st: InFlight) -> bool:
+        return self.requests.get(st.rid) is st
+
+    def running_count(self) -> int:
+        """Requests the engine is still working on (the others only wait for their last write)."""
+        return sum(1 for st in self.requests.values() if not st.engine_done)
+
+    @property
+    def unhealthy(self) -> str:
+        """Why the engine cannot serve ("" when it can): every step fails."""
+        return self.engine.unhealthy_reason
+
+    def free_slots(self) -> int:
+        """Room for new or claimed work: the running batch plus WORKER_QUEUE_DEPTH queued in the
+        engine, whose admission and prefill follow lanes (interactive first, batch aged); with
+        an empty engine queue a lane could only order what happens to be read together. None
+        while the engine is unhealthy."""
+        if self.unhealthy:
+            return 0
+        return self.capacity + self.queue_depth - self.running_count()
+
+    def wake(self) -> None:
+        self.capacity_event.set()
+
+    # ---- the output writer's callbacks -------------------------------------------------------
+
+    def finished(self, done: list[InFlight]) -> None:
+        """Their final is in history and their entry acked: they leave the table."""
+        for st in done:
+            if self.holds(st):
+                del self.requests[st.rid]
+                self.stats.finished += 1
+        self.wake()
+
+    def drop(self, st: InFlight) -> None:
+        """Another worker owns rid now (its epoch moved on: our write was fenced, or keep-fresh
+        saw it): forget it here without a final and without an ack; the engine stops it silently."""
+        st.fenced = True
+        if self.holds(st):
+            del self.requests[st.rid]
+            self.stats.dropped += 1
+            if not st.engine_done:
+                self.engine.submit(Cancel(st.rid, silent=True))
+        self.wake()
+
+    def give_up(self, st: InFlight) -> None:
+        """Redis keeps refusing rid's output: stop generating it; its slot is free again."""
+        self.engine.submit(Cancel(st.rid, silent=True))
+        self.wake()
