@@ -21,7 +21,7 @@ from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, Sam
                             decode_event_list, encode_cancel, encode_tok, history_id)
 from tests.stack_fixtures import (engine_pids, pid_alive, spawn, start_synthetic_worker, start_worker,
                                   wait_for_worker, _env)
-from tests.worker_redis import (check_seqs, gateway_view, last_seq, meta_of, new_rid, owner_of, pending_after_acks,
+from tests.worker_redis import (check_seqs, client_view, last_seq, meta_of, new_rid, owner_of, pending_after_acks,
                                 read_events, read_inbox, submit, text_of, wait_for_tokens, worker_info)
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
@@ -148,7 +148,7 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         # history where the victim died between its last history write and that write's live copy
         # (the kill follows a history read at once, so that gap is common; a gateway fills it)
         live, _ = await read_inbox(redis_client, keys, gw, {rnd}, timeout=10)
-        assert [(e["seq"], e.get("text")) for e in gateway_view(live[rnd], ev_rnd)] == \
+        assert [(e["seq"], e.get("text")) for e in client_view(live[rnd], ev_rnd)] == \
             [(e["seq"], e.get("text")) for e in ev_rnd]
         filled = {e["seq"] for e in ev_rnd} - {e["seq"] for e in live[rnd]}
         assert all(e["ep"] == 1 for e in ev_rnd if e["seq"] in filled), "only the dead worker's last write may miss live"
@@ -294,7 +294,7 @@ async def test_a_stopped_worker_that_comes_back_is_fenced_off(redis_server, redi
         last_ep1 = max(e["seq"] for e in events if e["ep"] == 1)
         assert all(e["ep"] == 2 or e["seq"] <= last_ep1 for e in raw[first2:]), \
             [(e["seq"], e["ep"]) for e in raw[first2:]]
-        assert [(e["seq"], e.get("text")) for e in gateway_view(raw, events)] == \
+        assert [(e["seq"], e.get("text")) for e in client_view(raw, events)] == \
             [(e["seq"], e.get("text")) for e in events]
         deadline = time.monotonic() + 10
         while "dropping it here" not in victim.log() and time.monotonic() < deadline:
@@ -720,7 +720,7 @@ async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(
         # live: the inbox plus what a gateway reads from history to fill a gap; a live copy whose
         # own XADD was refused is dropped (history has it), which only the refusal can cause
         live, _ = await read_inbox(client, keys, gw, {rid}, timeout=10)
-        assert [e["seq"] for e in gateway_view(live[rid], events)] == [e["seq"] for e in events]
+        assert [e["seq"] for e in client_view(live[rid], events)] == [e["seq"] for e in events]
         filled = {e["seq"] for e in events} - {e["seq"] for e in live[rid]}
         assert all(seq <= refused_at + 50 for seq in filled), sorted(filled)
         assert await pending_after_acks(client, keys) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from gateway.stream_join import StreamJoin
+from tests.worker_redis import history_after
 
 
 def tok(seq: int, n: int = 1, ep: int = 1) -> dict:
@@ -24,11 +25,6 @@ def lost(out: list[dict], j: StreamJoin) -> bool:
     """The join ended with a gap: its final is the retryable output_lost error, delivered last."""
     return (j.gap is not None and out[-1] is j.final and out[-1]["k"] == "err" and out[-1]["code"] == "output_lost"
             and out[-1]["retryable"] and out[-1]["seq"] == j.delivered)
-
-
-def history_after(history: list[dict], after: int) -> list[dict]:
-    """What `Submitter.read_history` returns: token events with seq > after, and a final at or after it."""
-    return [e for e in history if (e["k"] == "tok" and e["seq"] > after) or (e["k"] != "tok" and e["seq"] >= after)]
 
 
 def test_live_in_order_with_duplicates():

@@ -11,7 +11,7 @@ import pytest
 
 from shared.streams import ENTRY_FIELD, Keys, decode_event_list, encode_attach
 from tests.stack_fixtures import start_worker
-from tests.worker_redis import (check_seqs, dedup_live, last_seq, new_rid, owner_of, pending_after_acks, read_events, read_inbox,
+from tests.worker_redis import (check_seqs, client_view, last_seq, new_rid, owner_of, pending_after_acks, read_events, read_inbox,
                                 submit, text_of, wait_for_tokens)
 
 FLUSH_MS = 30
@@ -35,7 +35,7 @@ async def test_live_events_go_to_the_gateway_inbox_coalesced_and_match_history(t
     for rid in rids:
         history = await read_events(redis_client, keys, rid)
         check_seqs(history)
-        forwarded = dedup_live(live[rid])
+        forwarded = client_view(live[rid])
         check_seqs(forwarded)
         # live carries exactly what history holds (same events, same bytes)
         assert [(e["k"], e["seq"], e.get("ids"), e.get("text")) for e in forwarded] == \
@@ -55,7 +55,7 @@ async def test_first_token_is_not_held_for_the_flush_tick(transport_env, redis_c
     gw = f"g-{new_rid()[:6]}"
     rid = await submit(redis_client, keys, gw=gw, max_tokens=8, prompt="Hi")
     live, _ = await read_inbox(redis_client, keys, gw, {rid})
-    evs = dedup_live(live[rid])
+    evs = client_view(live[rid])
     # The first event goes out when the writer takes the first token, not at the next tick: it
     # holds token 1 and whatever the engine made before that write (on a loaded box the engine
     # process may hand over two steps at once), never all 8, which a tick of 30 ms would hold.
@@ -109,7 +109,7 @@ async def test_attach_moves_live_events_to_the_new_inbox_after_a_marker(transpor
     assert marker["k"] == "att" and marker["att"] == 1 and marker["seq"] >= 10 and marker["ep"] == 1
     history = await read_events(redis_client, keys, rid)
     before = [e for e in history if e["seq"] <= marker["seq"] and e["k"] == "tok"]
-    after = [e for e in dedup_live(evs[1:]) if e["k"] != "tok" or e["seq"] > marker["seq"]]
+    after = client_view(evs[1:], after=marker["seq"])
     joined = before + after
     check_seqs(joined)
     assert text_of(joined) == text_of(history)

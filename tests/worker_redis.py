@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 
+from gateway.stream_join import StreamJoin
 from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event, decode_event_list
 
 
@@ -75,34 +76,26 @@ async def read_inbox(redis, keys: Keys, gw: str, rids: set[str], *, timeout: flo
     return per_rid, sizes
 
 
-def dedup_live(events: list[dict]) -> list[dict]:
-    """What a gateway forwards: events in seq order, each token seq once (retries may repeat),
-    up to the first final."""
-    return gateway_view(events, [])
+def history_after(history: list[dict], after: int) -> list[dict]:
+    """What a gateway's history read returns (gateway.submit.Submitter.read_history): the token
+    events after token `after` and a final at or after it."""
+    return [e for e in history if (e["k"] == "tok" and e["seq"] > after) or (e["k"] != "tok" and e["seq"] >= after)]
 
 
-def gateway_view(live: list[dict], history: list[dict]) -> list[dict]:
-    """What a gateway forwards when a worker may have died between a history write and its live
-    copy: live events deduplicated by seq, and where one starts past the next expected token the
-    history after the last forwarded token is read and fed first (gateway.requests' catch-up)."""
+def client_view(live: list[dict], history: list[dict] | None = None, *, after: int = 0) -> list[dict]:
+    """What a client receives from these live events through the gateway's own join
+    (gateway.stream_join.StreamJoin), which reads `history` (the request's history as finally
+    written; none: an empty one) whenever live has a hole: every token event once and in
+    order, then the final, or the `output_lost` error where the history cannot fill a hole.
+    `after`: the client already has tokens up to here."""
+    join = StreamJoin(after)
     out: list[dict] = []
-    state = {"seen": 0, "final": False}
-
-    def feed(ev: dict) -> None:
-        if state["final"]:
-            return
-        if ev["k"] == "tok" and ev["seq"] > state["seen"]:
-            out.append(ev)
-            state["seen"] = ev["seq"]
-        elif ev["k"] in ("done", "err"):
-            out.append(ev)
-            state["final"] = True
-
     for ev in live:
-        if ev["k"] == "tok" and ev["seq"] - int(ev.get("n") or 0) > state["seen"]:
-            for past in history:
-                feed(past)
-        feed(ev)
+        if ev.get("k") == "att":
+            continue                    # attach markers matter to a resuming join only
+        out += join.live(ev)
+        while join.wants_read and not join.ended:
+            out += join.history(history_after(history or [], join.start_read()))
     return out
 
 

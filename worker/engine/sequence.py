@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from worker.engine.detokenize import IncrementalDetokenizer
-    from worker.engine.engine import EngineRequest
+    from worker.engine.types import EngineRequest
 
 Lane = Literal["interactive", "batch"]
 
