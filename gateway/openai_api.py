@@ -66,6 +66,11 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.BACKEND_UNAVAILABLE: (503, "server_error"),
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),
     ErrorCode.WORKER_LOST: (503, "server_error"),
+    # retryable failures on the server's side: a 5xx, which the SDKs retry (with a stream's held
+    # headers they can arrive before the first token, as the response status)
+    ErrorCode.STALLED: (503, "server_error"),
+    ErrorCode.OUTPUT_LOST: (503, "server_error"),
+    ErrorCode.OUTPUT_WRITE_FAILED: (503, "server_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
     ErrorCode.RESUME_EXPIRED: (404, "not_found_error"),
 }
