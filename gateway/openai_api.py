@@ -318,6 +318,9 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
 
 # ---------------------------------------------------------------- the response ("socket")
 
+CANCELLED_CODE = "request_cancelled"     # the end of a cancelled request, as an OpenAI error (410)
+
+
 def done_error(done: Done) -> APIError | None:
     """The OpenAI error a `done` stands for, or None for an answer (stop, length).
 
@@ -335,9 +338,6 @@ def done_error(done: Done) -> APIError | None:
                              f"{done.usage.completion_tokens} tokens; its output ends here, incomplete",
                         code=CANCELLED_CODE)
     return None
-
-
-CANCELLED_CODE = "request_cancelled"
 
 
 class OpenAIResponse:
