@@ -7,6 +7,7 @@ import hmac
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -120,6 +121,8 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         ],
         lifespan=lifespan,
         middleware=[Middleware(ExposeTransport)],
+        # 404 / 405 under /v1 in OpenAI's error JSON (SDKs parse it); plain text elsewhere, as before
+        exception_handlers={HTTPException: openai_api.http_exception},
     )
     app.state.hub = hub
     return app

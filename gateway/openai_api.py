@@ -16,7 +16,12 @@ an OpenAI chunk event (`stream: true`) or gathers them into one JSON body (`stre
 * A client that disconnects cancels its request at once — unless it asked for `"resumable":
   true`, in which case the request waits `RESUME_GRACE_S` for a reconnect, as a dropped socket.
 * Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; `code` is the
-  gateway's error code (docs/protocol.md). Unsupported parameters are refused, never ignored.
+  gateway's error code (docs/protocol.md), also for unknown routes and wrong methods under /v1.
+  A parameter is used, accepted and ignored (it cannot change the answer), or refused with 400
+  unless it has its neutral value (it would change the answer): `IGNORED` and the `_*_NEUTRAL`
+  tables below, listed in docs/clients.md's compatibility table, which a test walks.
+* A stream's headers wait for its first event, so a refusal by the worker before any token
+  (`context_too_long`) is an HTTP status, not an error event in a 200 (`OpenAIResponse`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 from redis.exceptions import RedisError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -60,6 +66,11 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.BACKEND_UNAVAILABLE: (503, "server_error"),
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),
     ErrorCode.WORKER_LOST: (503, "server_error"),
+    # retryable failures on the server's side: a 5xx, which the SDKs retry (with a stream's held
+    # headers they can arrive before the first token, as the response status)
+    ErrorCode.STALLED: (503, "server_error"),
+    ErrorCode.OUTPUT_LOST: (503, "server_error"),
+    ErrorCode.OUTPUT_WRITE_FAILED: (503, "server_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
     ErrorCode.RESUME_EXPIRED: (404, "not_found_error"),
 }
@@ -89,6 +100,34 @@ class APIError(Exception):
 
 
 # ---------------------------------------------------------------- request bodies
+#
+# What a field does here is one of three things, and docs/clients.md's compatibility table says
+# which for each (tests/test_openai_compat_table.py walks that table against this code):
+#   * used: it does what OpenAI documents;
+#   * accepted and ignored: it cannot change the answer (`IGNORED` below) — vLLM's stance, so
+#     that what SDKs and frameworks send by default works;
+#   * refused unless neutral: a value that would change the answer and that this server cannot
+#     honour (`n > 1`, tools, logprobs, penalties, ...) is a 400 `unsupported_parameter` naming
+#     it; the value that changes nothing (`n: 1`, `tools: []`, penalties 0, ...) is accepted.
+# A field this list does not know is refused too (extra="forbid"): nothing unknown is ignored.
+
+# accepted and ignored: name -> why ignoring it changes no answer (quoted in docs/clients.md)
+IGNORED: dict[str, str] = {
+    "user": "an end-user tag; this server keeps no per-user state",
+    "safety_identifier": "an end-user tag for OpenAI's abuse monitoring",
+    "store": "this server stores no completions",
+    "metadata": "tags for stored completions; nothing is stored",
+    "service_tier": "this server has one tier (the `priority` extension picks a lane)",
+    # prompt_cache_key will pick the worker holding the prompt's cache (routing); until then it
+    # is accepted and carried nowhere
+    "prompt_cache_key": "a cache-routing hint; not used for routing yet",
+    "prompt_cache_retention": "a cache-retention hint",
+    "verbosity": "a style hint to OpenAI's GPT-5 models; the served model has no such control",
+    "reasoning_effort": "the served model does not reason",
+    "parallel_tool_calls": "tools are not supported, so there is nothing to call in parallel",
+    "prediction": "predicted output only speeds OpenAI up; the answer is the same",
+}
+
 
 class _Body(BaseModel):
     """Fields both endpoints share. Unknown fields are refused (extra="forbid")."""
@@ -102,10 +141,19 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     n: int | None = None
-    user: str | None = None                 # accepted: an end-user tag; this server keeps no per-user state
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
+    # accepted and ignored (IGNORED)
+    user: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    verbosity: str | None = None
+    reasoning_effort: str | None = None
     # extensions (documented in docs/clients.md)
     priority: Literal["interactive", "batch"] | None = None
     resumable: bool = False
@@ -116,12 +164,16 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: Any = None
+    tools: list | None = None
     tool_choice: Any = None
-    functions: Any = None
+    functions: list | None = None
     function_call: Any = None
     response_format: dict | None = None
-    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    web_search_options: Any = None
+    parallel_tool_calls: bool | None = None        # IGNORED
+    prediction: dict | None = None                 # IGNORED
 
 
 class CompletionBody(_Body):
@@ -136,20 +188,63 @@ def _unsupported(name: str, why: str = "is not supported by this server") -> API
     return APIError(400, f"'{name}' {why}", code="unsupported_parameter", param=name)
 
 
+# refused unless neutral: name -> the test of a value that changes nothing
+_COMMON_NEUTRAL: dict[str, Any] = {
+    "n": lambda v: v in (None, 1),
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "logit_bias": lambda v: not v,                              # null or {}
+}
+_CHAT_NEUTRAL: dict[str, Any] = {
+    "logprobs": lambda v: v in (None, False),                   # (logprobs: true comes with #28 item 2)
+    "top_logprobs": lambda v: v is None,
+    "tools": lambda v: not v,                                   # null or []
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v in (None, {"type": "text"}),
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+}
+_COMPLETION_NEUTRAL: dict[str, Any] = {
+    "logprobs": lambda v: v is None,
+    "echo": lambda v: v in (None, False),
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: not v,                                  # null or ""
+}
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}   # the latter ignored: no obfuscation padding here
+
+
+def _check_neutral(body: _Body, neutral: dict[str, Any]) -> None:
+    for name, is_neutral in neutral.items():
+        if not is_neutral(getattr(body, name)):
+            why = "> 1 is not supported by this server" if name == "n" else "is not supported by this server"
+            raise _unsupported(name, why)
+
+
 def _check_common(body: _Body) -> None:
-    if body.n not in (None, 1):
-        raise _unsupported("n", "> 1 is not supported by this server")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise _unsupported(name)
-    if body.logit_bias:
-        raise _unsupported("logit_bias")
+    _check_neutral(body, _COMMON_NEUTRAL)
     if body.stream_options is not None:
         if not body.stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        extra = set(body.stream_options) - {"include_usage"}
+        extra = set(body.stream_options) - STREAM_OPTIONS
         if extra:
             raise _unsupported(f"stream_options.{sorted(extra)[0]}")
+
+
+# What an assistant message carries besides its text when an answer is appended back to the
+# conversation (`messages.append(resp.choices[0].message.model_dump())`): accepted when empty;
+# refused when they hold something the model would have to see and cannot be shown here.
+# `annotations` (citations of the content) are kept out of the prompt by OpenAI too: any list.
+_MESSAGE_ECHO_EMPTY: dict[str, Any] = {
+    "refusal": lambda v: v is None,
+    "audio": lambda v: v is None,
+    "function_call": lambda v: v is None,
+    "tool_calls": lambda v: not v,                              # null or []
+    "annotations": lambda v: v is None or isinstance(v, list),
+}
+_MESSAGE_KEYS = {"role", "content", "name", *_MESSAGE_ECHO_EMPTY}
 
 
 def _chat_messages(raw: list[dict]) -> list[dict]:
@@ -157,13 +252,17 @@ def _chat_messages(raw: list[dict]) -> list[dict]:
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
-        extra = set(m) - {"role", "content", "name"}
+        extra = set(m) - _MESSAGE_KEYS
         if extra:
             raise _unsupported(f"messages[{i}].{sorted(extra)[0]}")
+        for name, is_empty in _MESSAGE_ECHO_EMPTY.items():
+            if not is_empty(m.get(name)):
+                raise _unsupported(f"messages[{i}].{name}", "must be null or empty: this server supports text "
+                                                            "messages only (no tool calls, audio or refusals)")
         role = {"developer": "system"}.get(m.get("role"), m.get("role"))
         if role not in ("system", "user", "assistant"):
-            raise APIError(400, f"messages[{i}].role {m.get('role')!r} is not supported (system, developer, user, "
-                                "assistant)", param=f"messages[{i}].role")
+            raise _unsupported(f"messages[{i}].role", f"{m.get('role')!r} is not supported (system, developer, "
+                                                      "user, assistant; tools are not supported)")
         content = m.get("content")
         if isinstance(content, list):   # content parts: only text
             texts = []
@@ -197,24 +296,11 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
     _check_common(body)
     fields: dict[str, Any] = {}
     if isinstance(body, ChatBody):
-        for name in ("tools", "functions", "function_call", "response_format", "top_logprobs"):
-            if getattr(body, name) not in (None, {"type": "text"}):
-                raise _unsupported(name)
-        if body.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice")
-        if body.logprobs:
-            raise _unsupported("logprobs")
+        _check_neutral(body, _CHAT_NEUTRAL)
         fields["messages"] = _chat_messages(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     else:
-        if body.logprobs is not None:
-            raise _unsupported("logprobs")
-        if body.echo:
-            raise _unsupported("echo")
-        if body.best_of not in (None, 1):
-            raise _unsupported("best_of")
-        if body.suffix:
-            raise _unsupported("suffix")
+        _check_neutral(body, _COMPLETION_NEUTRAL)
         prompt = body.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
@@ -232,11 +318,43 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
 
 # ---------------------------------------------------------------- the response ("socket")
 
+CANCELLED_CODE = "request_cancelled"     # the end of a cancelled request, as an OpenAI error (410)
+
+
+def done_error(done: Done) -> APIError | None:
+    """The OpenAI error a `done` stands for, or None for an answer (stop, length).
+
+    `cancelled` is no OpenAI finish_reason (stop, length, tool_calls, content_filter,
+    function_call), and a client that sees one of those takes the answer for complete. The only
+    client that can receive the end of a cancelled request is one that comes back to it (a
+    `GET /v1/streams/{id}` resume, an Idempotency-Key retry): it gets what was generated, then
+    an error, `code: "request_cancelled"`, which the SDKs raise (openai-python and openai-node
+    raise `APIError` on a stream's `{"error": ...}` event), so the truncation is never silent."""
+    if done.finish_reason == "error":
+        err = done.error or {}
+        return APIError.from_code(err.get("code", "internal"), err.get("message", ""))
+    if done.finish_reason == "cancelled":
+        return APIError(410, f"the request was cancelled (its client disconnected or cancelled it) after "
+                             f"{done.usage.completion_tokens} tokens; its output ends here, incomplete",
+                        code=CANCELLED_CODE)
+    return None
+
+
 class OpenAIResponse:
-    """Plays `FrameSocket` for the `Sender`: frames in, OpenAI chunk events (or one JSON body) out."""
+    """Plays `FrameSocket` for the `Sender`: frames in, OpenAI chunk events (or one JSON body) out.
+
+    A stream's response headers are held until its first event from the worker (a token, or the
+    end), or its first heartbeat (HEARTBEAT_S), or a close (drain). So a refusal the worker makes
+    before any token — a prompt over MAX_PROMPT_TOKENS (`context_too_long`: only the worker's
+    tokenizer can count it; the gateway has none), a request that can never fit the KV cache —
+    is an HTTP status (400), which the SDKs raise as `BadRequestError`, not a `200` stream with an
+    error inside. It costs no time to first token: the headers and the role chunk go out in the
+    same write as the first token (tests/test_openai_compat.py measures it)."""
+
+    HOLD_HEADERS = True      # False: the 200 goes out at the request's acceptance (a test compares the two)
 
     def __init__(self, send: Send, *, oai_id: str, model: str, stream: bool, include_usage: bool,
-                 role_chunk: bool):
+                 role_chunk: bool, headers: list[tuple[bytes, bytes]] | None = None):
         self._send = send
         self.oai_id = oai_id
         self.chat = oai_id.startswith(CHAT_PREFIX)
@@ -252,6 +370,10 @@ class OpenAIResponse:
         self.parts: list[str] = []           # stream: false
         self.done: Done | None = None
         self.error: Error | None = None
+        # stream: true — the 200's headers and what was written before the first event, held
+        self._start = {"type": "http.response.start", "status": 200, "headers": headers or []}
+        self._held: list[str] = []
+        self.committed = False               # the 200 went out: a later failure can only be an event in it
 
     # the Sender's interface ------------------------------------------------
 
@@ -275,23 +397,26 @@ class OpenAIResponse:
         self.last_send = time.monotonic()
         if isinstance(msg, Chunk):
             if self.stream:
-                await self._event(self._chunk(msg.text, None), msg.seq)
+                await self._event(self._chunk(msg.text, None), msg.seq, commit=True)
             else:
                 self.parts.append(msg.text)
         elif isinstance(msg, Done):
             self.done = msg
-            if self.stream:
+            if self.stream and (self.committed or done_error(msg) is None):
                 await self._finish_stream(msg)
+            # else: a stream refused before its first event: RunRequest answers with the status
             self.ended.set()
         elif isinstance(msg, Heartbeat):
-            if self.stream:
-                await self._write(": keep-alive\n\n")   # proxies see traffic; SSE clients ignore comments
+            if self.stream:   # proxies see traffic; SSE clients ignore comments
+                await self._write(": keep-alive\n\n", commit=True)
         else:
             await self.send_payload(self.encode(msg))
 
     async def close(self, code: int, reason: str, *, last: BaseModel | None = None) -> None:
         if last is not None:
             await self.send(last)
+        if self.stream and not self.committed and self._held:
+            await self._write("", commit=True)     # e.g. a drain's error event: the id to resume with
         self.ended.set()
 
     def abort(self) -> None:
@@ -311,28 +436,28 @@ class OpenAIResponse:
         return {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
     async def _finish_stream(self, done: Done) -> None:
-        if done.finish_reason == "error":
-            err = done.error or {}
-            body = APIError.from_code(err.get("code", "internal"), err.get("message", "")).body()
-            await self._event(body, done.seq)
+        error = done_error(done)
+        if error is not None:
+            await self._event(error.body(), done.seq, commit=True)
         else:
-            await self._event(self._chunk(None, done.finish_reason), done.seq)
+            await self._event(self._chunk(None, done.finish_reason), done.seq, commit=True)
             if self.include_usage:
                 usage = usage_of(done)
                 await self._event({**self._chunk(None, None), "choices": [], "usage": usage}, done.seq)
         await self._write("data: [DONE]\n\n")
 
+    def api_error(self) -> APIError | None:
+        """The error the request ended with (None for an answer)."""
+        if self.done is not None:
+            return done_error(self.done)
+        msg = self.error
+        return APIError.from_code(msg.code if msg else ErrorCode.SHUTTING_DOWN, msg.message if msg else SHUTDOWN_REASON)
+
     def body(self) -> tuple[int, dict]:
         """stream: false — the status and JSON of the whole answer."""
-        if self.done is None or self.done.finish_reason == "error":
-            if self.done is not None:
-                err = self.done.error or {}
-                api = APIError.from_code(err.get("code", "internal"), err.get("message", ""))
-            else:
-                msg = self.error
-                api = APIError.from_code(msg.code if msg else ErrorCode.SHUTTING_DOWN,
-                                         msg.message if msg else SHUTDOWN_REASON)
-            return api.status, api.body()
+        error = self.api_error()
+        if error is not None:
+            return error.status, error.body()
         text = "".join(self.parts)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -350,15 +475,26 @@ class OpenAIResponse:
     def _event_text(data: dict, seq: int) -> str:
         return f"id: {seq}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    async def _event(self, data: dict, seq: int) -> None:
-        await self._write(self._event_text(data, seq))
+    async def _event(self, data: dict, seq: int, *, commit: bool = False) -> None:
+        await self._write(self._event_text(data, seq), commit=commit)
 
-    async def _write(self, text: str) -> None:
+    async def _write(self, text: str, *, commit: bool = False) -> None:
         if self.broken:
             return
+        start = None
+        if not self.committed:
+            if not commit and self.HOLD_HEADERS:
+                self._held.append(text)          # e.g. the role chunk: it goes with the first event
+                return
+            text = "".join(self._held) + text
+            self._held.clear()
+            start, self.committed = self._start, True
         self.send_started = time.monotonic()
         try:
-            await self._send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            if start is not None:
+                await self._send(start)
+            if text:
+                await self._send({"type": "http.response.body", "body": text.encode(), "more_body": True})
         except (OSError, RuntimeError) as exc:   # the client went away mid-write
             log.debug("SSE write failed: %r", exc)
             self.broken = True
@@ -396,8 +532,11 @@ class RunRequest(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hub, req = self.hub, self.req
+        request_id = req.rid.encode()
         out = OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
-                             include_usage=self.include_usage, role_chunk=req.seq == 0)
+                             include_usage=self.include_usage, role_chunk=req.seq == 0, headers=[
+                                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                                 (b"x-accel-buffering", b"no"), (b"x-request-id", request_id)])
         sender = Sender(out, self.requests, self.wake, hub.settings, hub.metrics)
         conn = HttpSession(out, self.requests, sender, hub.sessions)
         # keep-alive comments on a quiet stream, from the process-wide wheel
@@ -406,10 +545,6 @@ class RunRequest(Response):
         ended = asyncio.get_running_loop().create_task(out.ended.wait())
         gone = False
         try:
-            if self.stream:
-                await send({"type": "http.response.start", "status": 200, "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                    (b"x-accel-buffering", b"no"), (b"x-request-id", req.rid.encode())]})
             sender.queue(Accepted(id=req.client_id, request_id=req.rid))
             req.accepted = True      # (a resumed request's history is buffered already, flushed from here)
             self.wake.set()          # starts the sender task
@@ -423,15 +558,22 @@ class RunRequest(Response):
             await conn.end()      # a resumable or drained request is parked for a resume
         if gone:
             return
-        if self.stream:
+        if out.committed:
             await _end_body(send)
-        else:
-            status, body = out.body()
-            await JSONResponse(body, status_code=status)(scope, receive, send)
+            return
+        # stream: false, or a stream that ended before its first event (refused by the worker)
+        status, body = out.body()
+        headers = {"x-request-id": req.rid}
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
+        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
 
     async def _cancel(self) -> None:
         req = self.req
         req.cancel_requested = True
+        # counted here: this session never sees the request's `done` (the WebSocket path counts
+        # a cancel when the worker's `done` comes back on the socket)
+        self.hub.metrics.requests.labels("cancelled").inc()
         try:
             await self.hub.submitter.cancel(req.rid)    # flag + owner's control stream: a queued one never starts
         except (RedisError, OSError) as exc:
@@ -550,19 +692,58 @@ async def resume_stream(request: Request) -> Response:
                       include_usage=include_usage, resumable=True)
 
 
+def _model_object(hub: Hub) -> dict:
+    return {"id": hub.settings.served_model_name, "object": "model", "created": 0, "owned_by": "llm-stream"}
+
+
 async def models(request: Request) -> Response:
     hub: Hub = request.app.state.hub
     try:
         _key_id(hub, request)
     except APIError as exc:
         return exc.response()
-    return JSONResponse({"object": "list", "data": [
-        {"id": hub.settings.served_model_name, "object": "model", "created": 0, "owned_by": "llm-stream"}]})
+    return JSONResponse({"object": "list", "data": [_model_object(hub)]})
+
+
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{id}` (`client.models.retrieve`): the served model, or 404 model_not_found."""
+    hub: Hub = request.app.state.hub
+    try:
+        _key_id(hub, request)
+        _served(hub, request.path_params["model"])
+    except APIError as exc:
+        return exc.response()
+    return JSONResponse(_model_object(hub))
+
+
+async def http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 (no route) and 405 (wrong method): OpenAI's error JSON under /v1, so an
+    SDK raises `NotFoundError` with a message; Starlette's plain text everywhere else."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if path != "/v1" and not path.startswith("/v1/"):
+        if exc.status_code in (204, 304):
+            return Response(status_code=exc.status_code, headers=exc.headers)
+        return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
+    if exc.status_code == 404:
+        error = APIError(404, f"Invalid URL ({request.method} {path}): no such endpoint (this server serves "
+                              "/v1/chat/completions, /v1/completions, /v1/models, /v1/streams/{id}; see "
+                              "docs/clients.md)", code="not_found")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        error = APIError(405, f"Method {request.method} is not allowed on {path} (allowed: {allowed})",
+                         code="method_not_allowed")
+    else:
+        error = APIError(exc.status_code, str(exc.detail), code=None)
+    response = error.response()
+    response.headers.update(exc.headers or {})
+    return response
 
 
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model:path}", model, methods=["GET"]),
     Route("/v1/streams/{id}", resume_stream, methods=["GET"]),
 ]

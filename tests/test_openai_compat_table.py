@@ -1,0 +1,533 @@
+"""docs/clients.md's OpenAI compatibility table is true (issue 28 item 5): this test parses the
+table and, for every item in backticks in its first column, sends a request through the real API
+(the official `openai` package, or raw HTTP where no SDK method exists) and classifies what
+happened — `yes` (it works as OpenAI documents), `ignored` (accepted, the answer unchanged),
+`refused` (400 `unsupported_parameter` naming it), `no` (404 `not_found`) — against the row. Every
+"accepted: `name: value`" in a refused row's notes is sent too and must be accepted, unchanged.
+
+It also binds the table to the code: each field the gateway ignores (`IGNORED`) must be in an
+`ignored` row, each one it refuses unless neutral in a `refused` row; and a table item this file
+has no probe for, or a probe no row asks for, fails: the table cannot grow or shrink unchecked.
+
+Real Redis, an in-process gateway, a tiny-model worker (SmolLM2's real tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from gateway.openai_api import _CHAT_NEUTRAL, _COMMON_NEUTRAL, _COMPLETION_NEUTRAL, IGNORED
+from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker
+from tests.test_openai_api import sse_events
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "clients.md"
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+PROMPT = "Once upon a time"
+MAX_PROMPT_TOKENS = 200
+STATUSES = {"yes", "ignored", "refused", "no"}
+
+
+# ---------------------------------------------------------------- the table
+
+@dataclass
+class Row:
+    feature: str
+    status: str
+    notes: str
+    items: list[str]
+    accepted: list[tuple[str, Any]] = field(default_factory=list)    # (item, value) from "accepted: `x: v`"
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def compatibility_table(text: str) -> list[Row]:
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if _cells(line) == ["feature", "supported", "notes"])
+    rows = []
+    for line in lines[head + 2:]:
+        if not line.startswith("|"):
+            break
+        feature, supported, notes = _cells(line)
+        items = re.findall(r"`([^`]+)`", feature)
+        assert items, f"a row names what it is about in backticks: {line}"
+        status = supported.split()[0].lower()
+        assert status in STATUSES, f"supported must be one of {sorted(STATUSES)}: {line}"
+        row = Row(feature, status, notes, items)
+        if "accepted:" in notes:
+            for span in re.findall(r"`([^`]+)`", notes.split("accepted:", 1)[1]):
+                name, _, value = span.partition(": ")
+                assert name in items and value, f"'accepted: `item: json`' names an item of its row: {line}"
+                row.accepted.append((name, json.loads(value)))
+        rows.append(row)
+    return rows
+
+
+def test_the_table_parses_and_names_what_the_code_ignores_and_refuses():
+    rows = compatibility_table(DOC.read_text())
+    by_status = {s: {i for r in rows if r.status == s for i in r.items} for s in STATUSES}
+    assert set(IGNORED) <= by_status["ignored"], set(IGNORED) - by_status["ignored"]
+    neutral = {*_COMMON_NEUTRAL, *_CHAT_NEUTRAL, *_COMPLETION_NEUTRAL}
+    assert neutral <= by_status["refused"], neutral - by_status["refused"]
+    items = [i for r in rows for i in r.items]
+    assert len(items) == len(set(items)), "each item is in one row"
+    assert set(items) == set(PROBES), (f"items without a probe: {set(items) - set(PROBES)}; "
+                                       f"probes without a row: {set(PROBES) - set(items)}")
+
+
+# ---------------------------------------------------------------- the probes
+
+class Ctx:
+    def __init__(self, gw):
+        self.gw = gw
+        self.client = AsyncOpenAI(base_url=gw.base + "/v1", api_key="none", max_retries=0, timeout=60)
+        self.http = httpx.AsyncClient(base_url=gw.base, timeout=60)
+        self.chat_text = ""
+        self.text = ""
+        self.memo: dict[Callable, str] = {}
+
+    async def setup(self) -> None:
+        self.chat_text = (await self.chat()).choices[0].message.content
+        self.text = (await self.completion()).choices[0].text
+
+    async def chat(self, **fields):
+        return await self.client.chat.completions.create(
+            **{"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0, **fields})
+
+    async def completion(self, **fields):
+        return await self.client.completions.create(
+            **{"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, **fields})
+
+
+def classify_400(exc: openai.BadRequestError, param: str) -> str:
+    body = exc.body or {}
+    assert body.get("code") == "unsupported_parameter" and body.get("param") == param, body
+    return "refused"
+
+
+def param(name: str, value: Any, *, endpoint: str = "chat") -> Callable[[Ctx, Any], Awaitable[str]]:
+    """A body field: refused (400 naming it), or accepted — `ignored` if the answer is the same."""
+    async def probe(ctx: Ctx, v: Any = value) -> str:
+        body = {name.split(": ")[0]: v}
+        try:
+            if endpoint == "chat":
+                got = (await ctx.chat(extra_body=body)).choices[0].message.content
+                return "ignored" if got == ctx.chat_text else f"changed: {got!r}"
+            got = (await ctx.completion(extra_body=body)).choices[0].text
+            return "ignored" if got == ctx.text else f"changed: {got!r}"
+        except openai.BadRequestError as exc:
+            return classify_400(exc, name)
+    return probe
+
+
+ANSWER = {"role": "assistant", "content": "The lighthouse keeper lit the lamp."}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def message_field(name: str, value: Any, *, role: str = "assistant") -> Callable[[Ctx, Any], Awaitable[str]]:
+    """A field of a message in the conversation (the assistant's answer, or the user's turn)."""
+    async def probe(ctx: Ctx, v: Any = value) -> str:
+        def convo(extra: dict) -> list[dict]:
+            if role == "assistant":
+                return [*CHAT, {**ANSWER, **extra}, {"role": "user", "content": "And then?"}]
+            return [{**CHAT[0], **extra}]
+        index = 1 if role == "assistant" else 0
+        without = (await ctx.chat(messages=convo({}))).choices[0].message.content
+        try:
+            got = (await ctx.chat(messages=convo({name: v}))).choices[0].message.content
+        except openai.BadRequestError as exc:
+            return classify_400(exc, f"messages[{index}].{name}")
+        return "ignored" if got == without else f"changed: {got!r}"
+    return probe
+
+
+def role(name: str) -> Callable[[Ctx, Any], Awaitable[str]]:
+    async def probe(ctx: Ctx, _=None) -> str:
+        message = {"role": name, "content": "Be brief."}
+        try:
+            got = (await ctx.chat(messages=[message, *CHAT] if name != "user" else CHAT)).choices[0].message.content
+        except openai.BadRequestError as exc:
+            return classify_400(exc, "messages[0].role")
+        if name == "developer":     # the same as a system message
+            system = (await ctx.chat(messages=[{**message, "role": "system"}, *CHAT])).choices[0].message.content
+            assert got == system
+        return "yes"
+    return probe
+
+
+def part(kind: str) -> Callable[[Ctx, Any], Awaitable[str]]:
+    parts = {"text": {"type": "text", "text": CHAT[0]["content"]},
+             "image_url": {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+             "input_audio": {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+             "file": {"type": "file", "file": {"file_id": "file-1"}}}
+
+    async def probe(ctx: Ctx, _=None) -> str:
+        try:
+            got = await ctx.chat(messages=[{"role": "user", "content": [parts[kind]]}])
+        except openai.BadRequestError as exc:
+            return classify_400(exc, "messages[0].content")
+        assert got.choices[0].message.content == ctx.chat_text     # the same text as a plain string
+        return "yes"
+    return probe
+
+
+def route(path: str) -> Callable[[Ctx, Any], Awaitable[str]]:
+    async def probe(ctx: Ctx, _=None) -> str:
+        statuses = set()
+        for method in ("GET", "POST"):
+            resp = await ctx.http.request(method, path, json={"model": MODEL, "input": "hello"})
+            statuses.add(resp.status_code)
+            if resp.status_code == 404:
+                assert resp.json()["error"]["code"] == "not_found", resp.text
+        return "no" if statuses == {404} else f"served: {statuses}"
+    return probe
+
+
+# ---- the "yes" probes: each checks that the feature really does what OpenAI documents
+
+async def p_chat(ctx: Ctx, _=None) -> str:
+    r = await ctx.chat()
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    return "yes"
+
+
+async def p_completions(ctx: Ctx, _=None) -> str:
+    r = await ctx.completion()
+    assert r.object == "text_completion" and r.choices[0].text and r.usage.completion_tokens
+    return "yes"
+
+
+async def p_models(ctx: Ctx, _=None) -> str:
+    return "yes" if [m.id for m in (await ctx.client.models.list()).data] == [MODEL] else "no"
+
+
+async def p_model_retrieve(ctx: Ctx, _=None) -> str:
+    assert (await ctx.client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError) as info:
+        await ctx.client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found"
+    return "yes"
+
+
+async def p_model(ctx: Ctx, _=None) -> str:
+    with pytest.raises(openai.NotFoundError) as info:
+        await ctx.chat(model="gpt-4o")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    return "yes"
+
+
+async def p_stream(ctx: Ctx, _=None) -> str:
+    stream = await ctx.chat(stream=True)
+    chunks = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ctx.chat_text
+    stream = await ctx.completion(stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == ctx.text
+    return "yes"
+
+
+async def p_include_usage(ctx: Ctx, _=None) -> str:
+    full = await ctx.chat()
+    chunks = [c async for c in await ctx.chat(stream=True, stream_options={"include_usage": True})]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    return "yes"
+
+
+async def p_obfuscation(ctx: Ctx, _=None) -> str:
+    try:
+        stream = await ctx.chat(stream=True, stream_options={"include_obfuscation": True})
+    except openai.BadRequestError as exc:
+        return classify_400(exc, "stream_options.include_obfuscation")
+    chunks = [c async for c in stream]
+    same = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ctx.chat_text
+    return "ignored" if same else "changed"
+
+
+async def p_max_tokens(ctx: Ctx, _=None) -> str:
+    r = await ctx.chat(max_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length", r
+    with pytest.raises(openai.BadRequestError) as info:
+        await ctx.chat(max_tokens=10 ** 6)
+    assert info.value.body["code"] == "max_tokens_too_large"
+    return "yes"
+
+
+async def p_max_completion_tokens(ctx: Ctx, _=None) -> str:
+    r = await ctx.chat(max_tokens=5, max_completion_tokens=2)         # the latter wins
+    assert r.usage.completion_tokens == 2 and r.choices[0].finish_reason == "length", r
+    return "yes"
+
+
+async def sampled(ctx: Ctx, **fields) -> str:
+    return (await ctx.chat(max_tokens=8, **fields)).choices[0].message.content
+
+
+async def p_temperature(ctx: Ctx, _=None) -> str:
+    greedy = await sampled(ctx, temperature=0)
+    assert await sampled(ctx, temperature=0, seed=1) == await sampled(ctx, temperature=0, seed=2) == greedy
+    assert await sampled(ctx, temperature=1.5, seed=1) != await sampled(ctx, temperature=1.5, seed=2)
+    return "yes"
+
+
+async def p_top_p(ctx: Ctx, _=None) -> str:
+    greedy = await sampled(ctx, temperature=0)
+    # a nucleus of one token is greedy whatever the temperature and seed
+    assert await sampled(ctx, temperature=1.5, top_p=1e-6, seed=1) == greedy
+    assert await sampled(ctx, temperature=1.5, top_p=1e-6, seed=2) == greedy
+    return "yes"
+
+
+async def p_seed(ctx: Ctx, _=None) -> str:
+    a, b, c = [await sampled(ctx, temperature=1.0, seed=s) for s in (7, 7, 8)]
+    assert a == b and a != c
+    return "yes"
+
+
+async def p_stop(ctx: Ctx, _=None) -> str:
+    base = (await ctx.completion(max_tokens=30)).choices[0].text
+    stop = base[len(base) // 2:len(base) // 2 + 4]
+    assert stop.strip(), base
+    r = await ctx.completion(max_tokens=30, stop=[stop])
+    assert r.choices[0].text == base[:base.index(stop)] and r.choices[0].finish_reason == "stop"
+    return "yes"
+
+
+async def p_finish_reason(ctx: Ctx, _=None) -> str:
+    assert (await ctx.chat(max_tokens=2)).choices[0].finish_reason == "length"
+    base = (await ctx.completion(max_tokens=30)).choices[0].text
+    r = await ctx.completion(max_tokens=30, stop=base[10:14])
+    assert r.choices[0].finish_reason == "stop"
+    # cancelled: a non-resumable stream dropped, then resumed: an error, no finish_reason "cancelled"
+    lines: list[str] = []
+    async with ctx.http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 2000, "stream": True}) as resp:
+        async for line in resp.aiter_lines():
+            lines.append(line)
+            if line == "" and len(sse_events(lines)) >= 3:
+                break
+    first = sse_events(lines)
+    await asyncio.sleep(1.0)
+    resp = await ctx.http.get(f"/v1/streams/{json.loads(first[0][1])['id']}",
+                              headers={"Last-Event-ID": str(first[-1][0])})
+    rest = sse_events(resp.text.split("\n"))
+    finishes = {c["finish_reason"] for _, d in rest if d != "[DONE]" for c in json.loads(d).get("choices", [])}
+    assert finishes <= {None} and json.loads(rest[-2][1])["error"]["code"] == "request_cancelled", resp.text
+    return "yes"
+
+
+async def p_conversation_loop(ctx: Ctx, _=None) -> str:
+    messages = list(CHAT)
+    for turn in range(2):
+        r = await ctx.chat(messages=messages)
+        messages += [r.choices[0].message.model_dump(), {"role": "user", "content": f"More ({turn})"}]
+    assert messages[1]["tool_calls"] is None and "annotations" in messages[1]
+    stream = await ctx.chat(messages=messages, stream=True)
+    assert [c async for c in stream]
+    return "yes"
+
+
+async def p_priority(ctx: Ctx, _=None) -> str:
+    assert (await ctx.chat(extra_body={"priority": "batch"})).choices[0].message.content == ctx.chat_text
+    with pytest.raises(openai.BadRequestError) as info:
+        await ctx.chat(extra_body={"priority": "urgent"})
+    assert info.value.body["param"] == "priority"
+    return "yes"
+
+
+async def p_resume(ctx: Ctx, _=None) -> str:
+    reference = (await ctx.chat(max_tokens=40)).choices[0].message.content
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 40, "temperature": 0, "stream": True, "resumable": True}
+    lines: list[str] = []
+    async with ctx.http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        async for line in resp.aiter_lines():
+            lines.append(line)
+            if line == "" and len(sse_events(lines)) >= 3:
+                break
+    first = sse_events(lines)
+    resp = await ctx.http.get(f"/v1/streams/{json.loads(first[0][1])['id']}",
+                              headers={"Last-Event-ID": str(first[-1][0])})
+    rest = sse_events(resp.text.split("\n"))
+    text = "".join(c["delta"].get("content") or "" for _, d in first + rest if d != "[DONE]"
+                   for c in json.loads(d)["choices"])
+    assert rest[-1][1] == "[DONE]" and text == reference, (text, reference)
+    return "yes"
+
+
+async def p_idempotency(ctx: Ctx, _=None) -> str:
+    key = uuid.uuid4().hex             # anonymous: the key is the secret, 128 bits
+    a, b = [await ctx.chat(max_tokens=12, temperature=1.0, extra_headers={"Idempotency-Key": key})
+            for _ in range(2)]
+    assert a.id == b.id and a.choices[0].message.content == b.choices[0].message.content
+    return "yes"
+
+
+async def cancelled(ctx: Ctx) -> float:
+    text = (await ctx.http.get("/metrics")).text
+    match = re.search(r'^gateway_requests_total\{outcome="cancelled"\} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def p_abort(ctx: Ctx, _=None) -> str:
+    before = await cancelled(ctx)
+    stream = await ctx.chat(max_tokens=2000, stream=True)
+    await stream.__anext__()
+    await stream.close()
+    for _ in range(100):
+        if await cancelled(ctx) == before + 1:
+            return "yes"
+        await asyncio.sleep(0.05)
+    return "not counted"
+
+
+async def p_request_id(ctx: Ctx, _=None) -> str:
+    r = await ctx.chat()
+    assert r._request_id and r.id == f"chatcmpl-{r._request_id}"
+    raw = await ctx.client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                                                     stream=True)
+    assert {c.id async for c in raw.parse()} == {f"chatcmpl-{raw.headers['x-request-id']}"}
+    return "yes"
+
+
+async def p_errors(ctx: Ctx, _=None) -> str:
+    for call, kind, status in [(ctx.chat(n=2), openai.BadRequestError, 400),
+                               (ctx.chat(model="nope"), openai.NotFoundError, 404),
+                               (ctx.client.embeddings.create(model=MODEL, input="x"), openai.NotFoundError, 404),
+                               (ctx.client.post("/models", cast_to=object, body={}), openai.APIStatusError, 405)]:
+        with pytest.raises(kind) as info:
+            await call
+        assert info.value.status_code == status and set(info.value.body) == {"message", "type", "param", "code"}
+    return "yes"
+
+
+async def p_context_too_long(ctx: Ctx, _=None) -> str:
+    prompt = " ".join(["lighthouse"] * 400)
+    for stream in (True, False):
+        with pytest.raises(openai.BadRequestError) as info:
+            await ctx.chat(messages=[{"role": "user", "content": prompt}], stream=stream)
+        assert info.value.body["code"] == "context_too_long"
+    return "yes"
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+ROUTES = ["/v1/embeddings", "/v1/responses", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech",
+          "/v1/files", "/v1/batches"]
+
+PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
+    "POST /v1/chat/completions": p_chat,
+    "POST /v1/completions": p_completions,
+    "GET /v1/models": p_models,
+    "GET /v1/models/{model}": p_model_retrieve,
+    **{path: route(path) for path in ROUTES},
+    "model": p_model,
+    "stream": p_stream,
+    "stream_options.include_usage": p_include_usage,
+    "stream_options.include_obfuscation": p_obfuscation,
+    "max_tokens": p_max_tokens,
+    "max_completion_tokens": p_max_completion_tokens,
+    "temperature": p_temperature,
+    "top_p": p_top_p,
+    "seed": p_seed,
+    "stop": p_stop,
+    "finish_reason": p_finish_reason,
+    **{f"role: {r}": role(r) for r in ("system", "developer", "user", "assistant", "tool", "function")},
+    **{f'{{"type": "{k}"}}': part(k) for k in ("text", "image_url", "input_audio", "file")},
+    "messages.append(message.model_dump())": p_conversation_loop,
+    "message.refusal": message_field("refusal", "I can't help with that."),
+    "message.audio": message_field("audio", {"id": "audio_1"}),
+    "message.function_call": message_field("function_call", {"name": "f", "arguments": "{}"}),
+    "message.tool_calls": message_field("tool_calls", [CALL]),
+    "message.annotations": message_field("annotations", [{"type": "url_citation", "url_citation": {
+        "url": "https://example.com", "title": "Example", "start_index": 0, "end_index": 3}}]),
+    "message.name": message_field("name", "alice", role="user"),
+    "n": param("n", 2),
+    "presence_penalty": param("presence_penalty", 0.5),
+    "frequency_penalty": param("frequency_penalty", 0.5),
+    "logit_bias": param("logit_bias", {"42": 5}),
+    "logprobs": param("logprobs", True),
+    "top_logprobs": param("top_logprobs", 2),
+    "tools": param("tools", [TOOL]),
+    "tool_choice": param("tool_choice", "auto"),
+    "functions": param("functions", [TOOL["function"]]),
+    "function_call": param("function_call", "auto"),
+    "response_format": param("response_format", {"type": "json_object"}),
+    "modalities": param("modalities", ["text", "audio"]),
+    "audio": param("audio", {"voice": "alloy", "format": "wav"}),
+    "web_search_options": param("web_search_options", {}),
+    "echo": param("echo", True, endpoint="completions"),
+    "best_of": param("best_of", 2, endpoint="completions"),
+    "suffix": param("suffix", " The end.", endpoint="completions"),
+    "prompt": param("prompt", [PROMPT, "Far away"], endpoint="completions"),
+    "top_k": param("top_k", 5),
+    "min_p": param("min_p", 0.1),
+    "repetition_penalty": param("repetition_penalty", 1.2),
+    "user": param("user", "user-1234"),
+    "safety_identifier": param("safety_identifier", "hash-of-user"),
+    "store": param("store", True),
+    "metadata": param("metadata", {"app": "compat"}),
+    "service_tier": param("service_tier", "auto"),
+    "prompt_cache_key": param("prompt_cache_key", "conversation-7"),
+    "prompt_cache_retention": param("prompt_cache_retention", "24h"),
+    "verbosity": param("verbosity", "low"),
+    "reasoning_effort": param("reasoning_effort", "minimal"),
+    "parallel_tool_calls": param("parallel_tool_calls", False),
+    "prediction": param("prediction", {"type": "content", "content": "The lighthouse"}),
+    "priority": p_priority,
+    "Last-Event-ID": p_resume,
+    "resumable": p_resume,
+    "Idempotency-Key": p_idempotency,
+    "stream.close()": p_abort,
+    "x-request-id": p_request_id,
+    "error": p_errors,
+    "context_too_long": p_context_too_long,
+}
+
+
+# ---------------------------------------------------------------- the walk
+
+@pytest.fixture(scope="module")
+def table_stack(redis_server, tiny_model_dir, tmp_path_factory):
+    with prefix_with_worker(redis_server.url, tiny_model_dir, tmp_path_factory.mktemp("table-logs"),
+                            name="w-table", env={"MAX_PROMPT_TOKENS": MAX_PROMPT_TOKENS}) as prefix:
+        yield prefix
+
+
+async def test_every_row_of_the_compatibility_table_is_true(redis_server, table_stack):
+    rows = compatibility_table(DOC.read_text())
+    wrong: list[str] = []
+    async with gateway_in_process(gateway_settings(redis_server.url, table_stack, resume_grace_s=10)) as gw:
+        ctx = Ctx(gw)
+        await ctx.setup()
+        try:
+            for row in rows:
+                for item in row.items:
+                    probe = PROBES[item]
+                    if probe not in ctx.memo:
+                        try:
+                            ctx.memo[probe] = await probe(ctx)
+                        except AssertionError as exc:
+                            ctx.memo[probe] = f"failed: {exc}"
+                    if ctx.memo[probe] != row.status:
+                        wrong.append(f"`{item}`: the table says {row.status}, the API: {ctx.memo[probe]}")
+                for item, value in row.accepted:
+                    got = await PROBES[item](ctx, value)
+                    if got != "ignored":
+                        wrong.append(f"`{item}: {json.dumps(value)}`: the table says accepted, the API: {got}")
+        finally:
+            await ctx.http.aclose()
+    print(f"{len(rows)} rows, {sum(len(r.items) for r in rows)} items, "
+          f"{sum(len(r.accepted) for r in rows)} accepted values checked")
+    assert not wrong, "docs/clients.md's compatibility table is wrong:\n" + "\n".join(wrong)
