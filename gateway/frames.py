@@ -26,11 +26,16 @@ def done_frame(req: RequestState, now: float) -> Done:
     """The request's one `done`, from its final event (`done` or `err`) and the gateway's timings."""
     ev = req.final
     usage_in = ev.get("usage") or {}
+    if req.first_sent is not None and not req.resumed:      # as this gateway saw it: accepted -> first chunk
+        ttft_ms = round((req.first_sent - req.started) * 1000, 3)
+    else:       # a resume: the worker's figure (submit -> first token), whoever streamed it
+        ttft_ms = usage_in.get("ttft_ms")
+        ttft_ms = float(ttft_ms) if isinstance(ttft_ms, (int, float)) else None
     usage = Usage(
         prompt_tokens=int(usage_in.get("prompt_tokens") or 0),
         completion_tokens=int(usage_in.get("completion_tokens") or 0),
         total_ms=round((now - req.started) * 1000, 3),
-        ttft_ms=round((req.first_sent - req.started) * 1000, 3) if req.first_sent is not None else None,
+        ttft_ms=ttft_ms,
     )
     seq = max(req.seq, int(ev.get("seq") or 0))
     if ev.get("k") == "err":

@@ -64,6 +64,7 @@ class InFlight:
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_ms: int = 0                  # when the oldest pending output was produced
+    first_token_ms: int = 0              # when the request's first token was produced (any run)
     unsent: list[Frozen] = field(default_factory=list)
     marker_att: int | None = None        # an attach marker to send ahead of live events
     engine_done: bool = False            # the engine will produce nothing more for it
@@ -87,6 +88,8 @@ class InFlight:
         if out.token_ids or out.text:
             if not self.pending_ids and not self.pending_text:
                 self.pending_ms = out.emitted_ms
+            if out.token_ids and not self.first_token_ms:
+                self.first_token_ms = out.emitted_ms
             self.pending_ids.extend(out.token_ids)
             self.pending_text += out.text
         if out.finished:
@@ -98,8 +101,10 @@ class InFlight:
 
     def finish_done(self, reason: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         self.freeze()
+        created = self.entry.created_ms if self.entry else 0
+        ttft_ms = self.first_token_ms - created if self.first_token_ms and created else None
         self._freeze_final(encode_done(self.rid, self.seq, reason, prompt_tokens, completion_tokens,
-                                       self.epoch, _now_ms()))
+                                       self.epoch, _now_ms(), ttft_ms=ttft_ms))
 
     def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None) -> None:
         self.freeze()

@@ -274,6 +274,8 @@ class Intake:
                                           deliveries, "deliveries", rid, got, progress, entry)
             return
         st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, gw=got.gw)
+        # a continuation's first token is an earlier run's: TTFT counts from that one
+        st.first_token_ms = next((int(e.get("ms") or 0) for e in history if e.get("k") == "tok"), 0)
         if got.att > 0 and st.gw:
             st.marker_att = got.att
         decision = failover.decide(entry, progress, history)
