@@ -31,9 +31,10 @@ BATCH = 500
 
 
 class Bookkeeper:
-    def __init__(self, submitter: Submitter, *, grace_s: float):
+    def __init__(self, submitter: Submitter, *, grace_s: float, on_cancelled=lambda n: None):
         self.submitter = submitter
         self.grace_s = grace_s
+        self.on_cancelled = on_cancelled      # told how many orphans it cancelled (no grace)
         self._releases: dict[str, set[str]] = {}              # key_id -> rids whose lease goes
         self._left: set[str] = set()                           # rids that leave our `reqs` set
         self._orphans: deque[tuple[str, int]] = deque()        # (rid, att)
@@ -123,5 +124,6 @@ class Bookkeeper:
             else:
                 for rid, _ in batch:
                     await self.submitter.cancel(rid)
+                self.on_cancelled(len(batch))
             for _ in batch:
                 self._orphans.popleft()

@@ -25,7 +25,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.requests import RequestTable
 from gateway.sender import Sender
 from gateway.sessions import Sessions, StreamingSession
-from gateway.socket_io import FrameSocket
+from gateway.socket_io import CLOSE_SERVICE_RESTART, FrameSocket
+
+CLIENT_CLOSES = (1000, 1001)      # a close frame from the client: normal closure, going away
 
 
 class Connection(StreamingSession):
@@ -40,8 +42,17 @@ class Connection(StreamingSession):
         self.metrics.active_sockets.inc()
         try:
             await self.handler.read_loop()
-        except WebSocketDisconnect:
-            pass
+        except WebSocketDisconnect as exc:
+            self.handler.disconnect_code = exc.code
         finally:
             await self.end()
             self.metrics.active_sockets.dec()
+            self.metrics.socket_closes.labels(self.close_reason()).inc()
+
+    def close_reason(self) -> str:
+        """The server's reason when it closed the socket, else `client` (a close frame) or `lost`
+        (no close frame: a network drop, a proxy's idle timeout, a ping timeout)."""
+        if self.sender.closing is not None:
+            code, reason = self.sender.closing
+            return "shutting_down" if code == CLOSE_SERVICE_RESTART else reason
+        return "client" if self.handler.disconnect_code in CLIENT_CLOSES else "lost"

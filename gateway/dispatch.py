@@ -52,6 +52,7 @@ class MessageHandler:
         self.key_id = key_id                 # None until authenticated
         self.claim = claim                   # this socket in the per-key / per-address socket counts
         self.resume_budget = ResumeBudget(self.s.resume_rate_per_min)
+        self.disconnect_code: int | None = None   # the close code the client's side ended with
 
     # ------------------------------------------------------------------ reading
 
@@ -67,6 +68,7 @@ class MessageHandler:
             else:
                 message = await self.socket.receive()
             if message["type"] == "websocket.disconnect":
+                self.disconnect_code = message.get("code")
                 return
             frame = message.get("text")
             if frame is None:
@@ -123,9 +125,7 @@ class MessageHandler:
         elif isinstance(msg, Cancel):
             await self._cancel(msg)
         elif isinstance(msg, Resume):
-            self.resume_budget.take(msg.id)
-            self.check_new_id(msg.id)
-            await self.resumer.reattach(self.requests, self.key_id, msg, self.accept)
+            await self._resume(msg)
         elif isinstance(msg, Ping):
             self.sender.queue(Pong(nonce=msg.nonce, ts=time.time()))
         elif isinstance(msg, Auth):
@@ -169,6 +169,21 @@ class MessageHandler:
             return
         self.accept(req)
 
+    async def _resume(self, msg: Resume) -> None:
+        outcome = "attached"
+        try:
+            self.resume_budget.take(msg.id)
+            self.check_new_id(msg.id)
+            await self.resumer.reattach(self.requests, self.key_id, msg, self.accept)
+        except ProtocolError as exc:
+            outcome = exc.code.value
+            raise
+        except (RedisError, OSError):
+            outcome = ErrorCode.BACKEND_UNAVAILABLE.value
+            raise
+        finally:
+            self.metrics.resumes.labels(outcome).inc()
+
     async def _cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.id)
         if req is None:
@@ -176,6 +191,7 @@ class MessageHandler:
         if req.cancel_requested or req.final is not None:
             return
         req.cancel_requested = True
+        self.metrics.cancels.labels("client").inc()
         owner = await self.submitter.cancel(req.rid)
         if owner is None:
             # still in the queue: no worker holds it, and the flag (set first) keeps any from

@@ -74,7 +74,8 @@ class Hub:
                                  grace_s=s.resume_grace_s)
         self.admission = Admission(self.redis, self.keys, max_depth=s.max_queue_depth,
                                    worker_ttl_s=s.worker_ttl_s, cache_ms=s.admission_cache_ms)
-        self.bookkeeper = Bookkeeper(self.submitter, grace_s=s.resume_grace_s)
+        self.bookkeeper = Bookkeeper(self.submitter, grace_s=s.resume_grace_s,
+                                     on_cancelled=self.metrics.cancels.labels("orphan").inc)
         self.starter = RequestStarter(s, self.admission, self.submitter, self.bookkeeper, self.gw_id)
         self.resumer = Resumer(self.submitter)
         try:
@@ -153,7 +154,8 @@ class Hub:
                     self.metrics.stalled.inc(len(stalled))
                     log.warning("ended %d request(s) with no progress for %gs", len(stalled), s.request_stall_s)
                     for rid in stalled:       # a worker that wakes up must not go on for nobody
-                        await self.submitter.cancel_if_here(rid)
+                        if await self.submitter.cancel_if_here(rid):
+                            self.metrics.cancels.labels("stall").inc()
                 if now - last_beat >= s.gateway_heartbeat_s:
                     last_beat = now
                     await self.liveness.beat()
@@ -161,6 +163,7 @@ class Hub:
                         self.metrics.taken_over.inc(parked)
                 cancelled = await self.submitter.sweep_orphans()
                 if cancelled:
+                    self.metrics.cancels.labels("orphan").inc(len(cancelled))
                     log.info("cancelled %d orphaned request(s) after the resume grace", len(cancelled))
                 if now - last_refresh >= s.concurrency_lease_s / 3:
                     last_refresh = now

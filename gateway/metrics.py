@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 5)
 
 
@@ -18,6 +19,21 @@ class GatewayMetrics:
         self.rejections = Counter("gateway_rejections", "messages rejected by error code", ["code"], registry=r)
         self.ttft = Histogram("gateway_ttft_seconds", "accepted -> first chunk sent", buckets=LATENCY_BUCKETS,
                               registry=r)
+        self.ttfmt = Histogram("gateway_time_to_first_meaningful_token_seconds",
+                               "accepted -> first chunk with non-whitespace text sent", buckets=LATENCY_BUCKETS,
+                               registry=r)
+        self.ttlt = Histogram("gateway_time_to_last_token_seconds", "accepted -> last chunk sent (requests that "
+                              "produced tokens; resumed ones excluded)", buckets=E2E_BUCKETS, registry=r)
+        self.cancels = Counter("gateway_cancels", "requests this replica cancelled, by origin: client (a cancel "
+                               "message), http_disconnect (an HTTP client went away), orphan (a dropped socket or a "
+                               "dead gateway's request not resumed within RESUME_GRACE_S), stall (no progress for "
+                               "REQUEST_STALL_S)", ["origin"], registry=r)
+        self.socket_closes = Counter("gateway_socket_closes", "WebSocket closes by reason: client (a close frame), "
+                                     "lost (no close frame: network drop, idle timeout at a proxy, ping timeout), or "
+                                     "the server's reason (slow_consumer, unauthorized, shutting_down, internal, ...)",
+                                     ["reason"], registry=r)
+        self.resumes = Counter("gateway_resumes", "resume attempts (WebSocket resume, SSE Last-Event-ID) by outcome: "
+                               "attached, or the refusal's error code", ["outcome"], registry=r)
         self.inter_chunk = Histogram("gateway_inter_chunk_seconds", "gap between chunks of one request",
                                      buckets=GAP_BUCKETS, registry=r)
         self.flushes = Counter("gateway_flushes", "chunk frames sent (rate() = flushes per second)", registry=r)

@@ -574,6 +574,7 @@ class RunRequest(Response):
         # counted here: this session never sees the request's `done` (the WebSocket path counts
         # a cancel when the worker's `done` comes back on the socket)
         self.hub.metrics.requests.labels("cancelled").inc()
+        self.hub.metrics.cancels.labels("http_disconnect").inc()
         try:
             await self.hub.submitter.cancel(req.rid)    # flag + owner's control stream: a queued one never starts
         except (RedisError, OSError) as exc:
@@ -682,9 +683,12 @@ async def resume_stream(request: Request) -> Response:
         try:
             req = await hub.resumer.reattach(requests, key_id, msg, accept=lambda r: None)   # accepted by RunRequest
         except ProtocolError as exc:
+            hub.metrics.resumes.labels(exc.code.value).inc()
             raise APIError.from_code(exc.code, exc.message) from None
         except (RedisError, OSError):
+            hub.metrics.resumes.labels(ErrorCode.BACKEND_UNAVAILABLE.value).inc()
             raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
+        hub.metrics.resumes.labels("attached").inc()
     except APIError as exc:
         return exc.response()
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")

@@ -97,6 +97,8 @@ class RequestTable:
         bookkeeping (lease, `reqs`) is queued, not awaited: `done` goes out at once."""
         done = done_frame(req, time.monotonic())
         self.metrics.requests.labels(done.finish_reason).inc()
+        if req.last_sent is not None and not req.resumed:
+            self.metrics.ttlt.observe(req.last_sent - req.started)
         self._detach(req)
         self._by_id.pop(req.client_id, None)
         req.slot_held = False

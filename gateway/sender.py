@@ -254,6 +254,10 @@ class Sender:
                 m.ttft.observe(now - req.started)
         elif req.last_sent is not None:
             m.inter_chunk.observe(now - req.last_sent)
+        if not req.meaningful_sent and pending.text.strip():
+            req.meaningful_sent = True
+            if not req.resumed:
+                m.ttfmt.observe(now - req.started)
         req.last_sent = now
         req.seq = pending.seq
         m.flushes.inc()

@@ -1,0 +1,79 @@
+"""The gateway's request metrics move as documented (docs/operations.md, "Metrics"): time to first
+meaningful token, time to last token, cancels by origin, socket closes by reason, resumes by
+outcome. Real gateway, real worker (synthetic engine), real sockets; read from the gateway's own
+Prometheus registry."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+
+from tests.gateway_client import GatewayClient, eventually
+from tests.stack_fixtures import _env, gateway_in_process, gateway_settings, spawn, wait_for_worker
+
+
+@pytest.fixture(scope="module")
+def metrics_stack(redis_server, tmp_path_factory):
+    prefix = f"gm{uuid.uuid4().hex[:8]}"
+    proc = spawn("worker.synthetic", _env(redis_server.url, prefix, {"WORKER_ID": "w-gm"}),
+                 tmp_path_factory.mktemp("gm-logs"), "w-gm", args=("--step-ms", "5"))
+    wait_for_worker(redis_server.url, prefix, proc)
+    yield prefix
+    proc.stop()
+
+
+def value(gw, name: str, **labels) -> float:
+    return gw.hub.metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+
+async def test_request_cancel_resume_and_close_metrics(redis_server, metrics_stack):
+    settings = gateway_settings(redis_server.url, metrics_stack, resume_grace_s=0.3, sweep_interval_s=0.1)
+    async with gateway_in_process(settings) as gw:
+        c = await GatewayClient.connect(gw.ws_url)
+        await c.send(type="generate", id="a", prompt="x", max_tokens=20)
+        request_id = (await c.recv("a"))["request_id"]
+        await c.until_done("a")
+        assert value(gw, "gateway_time_to_first_meaningful_token_seconds_count") == 1
+        assert value(gw, "gateway_time_to_last_token_seconds_count") == 1
+        assert value(gw, "gateway_time_to_last_token_seconds_sum") >= value(gw, "gateway_ttft_seconds_sum")
+
+        await c.send(type="generate", id="b", prompt="x", max_tokens=2000)
+        assert (await c.recv("b"))["type"] == "accepted"
+        await c.send(type="cancel", id="b")
+        _, done = await c.until_done("b")
+        assert done["finish_reason"] == "cancelled"
+        assert value(gw, "gateway_cancels_total", origin="client") == 1
+
+        await c.send(type="resume", id="again", last_seq=0, request_id=request_id)
+        await c.until_done("again")
+        await c.send(type="resume", id="nope", last_seq=0, request_id=uuid.uuid4().hex)
+        assert (await c.recv("nope"))["code"] == "resume_expired"
+        assert value(gw, "gateway_resumes_total", outcome="attached") == 1
+        assert value(gw, "gateway_resumes_total", outcome="resume_expired") == 1
+
+        # a socket that drops with a request running: not resumed within the grace, it is cancelled
+        await c.send(type="generate", id="c", prompt="x", max_tokens=2000)
+        assert (await c.recv("c"))["type"] == "accepted"
+        c.ws.transport.abort()
+        assert await eventually(lambda: value(gw, "gateway_socket_closes_total", reason="lost") == 1)
+        assert await eventually(lambda: value(gw, "gateway_cancels_total", origin="orphan") == 1, timeout=10)
+
+        polite = await GatewayClient.connect(gw.ws_url)
+        await polite.close()
+        assert await eventually(lambda: value(gw, "gateway_socket_closes_total", reason="client") == 1)
+
+        # an HTTP client that goes away cancels its request
+        body = {"model": gw.settings.served_model_name, "prompt": "x", "max_tokens": 2000, "stream": True}
+        async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+        assert await eventually(lambda: value(gw, "gateway_cancels_total", origin="http_disconnect") == 1)
+        text = (await asyncio.to_thread(lambda: httpx.get(gw.base + "/metrics").text))
+        for name in ("gateway_cancels_total", "gateway_socket_closes_total", "gateway_resumes_total",
+                     "gateway_time_to_first_meaningful_token_seconds_bucket", "gateway_time_to_last_token_seconds_bucket"):
+            assert name in text
