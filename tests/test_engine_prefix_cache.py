@@ -309,7 +309,7 @@ def test_cached_tokens_are_reported_and_the_counters_add_up(model, tokenizer):
     for i, prompt in enumerate(prompts):
         tokens, outs = _run(engine, EngineRequest(f"q{i}", prompt, SamplingParams(max_tokens=6, temperature=0.0)))
         assert tokens == _generate(model, prompt, 6)
-        assert {o.cached_tokens for o in outs} == {outs[-1].cached_tokens}   # every output carries it
+        assert all(o.cached_tokens == 0 for o in outs[:-1])   # the final carries it
         reported.append(outs[-1].cached_tokens)
     assert reported == [0, len(system) // bs * bs, len(system) // bs * bs]
     assert engine.prefix_cache_hits == sum(reported)

@@ -280,7 +280,7 @@ class Engine:
                 return None
             text, ids = "", []
         return StepOutput(seq.rid, text, ids, reason is not None, reason, seq.prompt_len, n, None, None, now_ms,
-                          min(seq.cached_tokens, seq.prompt_len))
+                          0 if reason is None else min(seq.cached_tokens, seq.prompt_len))
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:

@@ -56,6 +56,6 @@ class StepOutput:
     error_message: str | None = None
     # wall clock (ms) when the step produced this output: outputs may reach Redis later, batched
     emitted_ms: int = field(default_factory=lambda: int(time.time() * 1000))
-    # prompt tokens whose KV came from the prefix cache instead of being computed (OpenAI's
-    # usage.prompt_tokens_details.cached_tokens), on every output of the request
+    # final outputs: the prompt tokens whose KV came from the prefix cache instead of being
+    # computed (OpenAI's usage.prompt_tokens_details.cached_tokens)
     cached_tokens: int = 0
