@@ -114,8 +114,8 @@ class Scheduler:
             decoding = seq.pending == 1 and seq.computed > 0
             if self.caching and not decoding and seq.computed == len(seq.blocks) * bs:
                 self._reuse(seq)
-                nxt = len(seq.blocks)
-                if nxt < len(seq.block_names) and seq.block_names[nxt] in computing:
+                nxt = len(seq.blocks)   # a block it could take next step: not its last token's
+                if nxt < (len(seq.tokens) - 1) // bs and seq.block_names[nxt] in computing:
                     seq.starved += 1    # another request fills that block now: take it next step
                     continue
                 decoding = seq.pending == 1 and seq.computed > 0
@@ -217,7 +217,7 @@ class Scheduler:
         """Take a running request's blocks back; it waits and recomputes its whole context."""
         self.running.remove(seq)
         self._release(seq)
-        seq.computed = seq.published = 0
+        seq.computed = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.append(seq)
