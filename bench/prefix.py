@@ -338,12 +338,13 @@ def main() -> None:
         ap.error("the llamacpp method needs --llamacpp-url")
     model, tok = load_model(Settings(model_path=args.model_path, device="cpu", quantization=args.quantization,
                                      torch_threads=args.threads))
-    # warm-up outside the timings: first calls allocate and pick kernels
-    warm = [Session(0, lambda answers: None if answers else build_prompt_ids(tok, None, [{"role": "user",
-                                                                                      "content": "Hello"}]))]
-    run_engine(model, tok, warm, 4, True, True, args)
+    # warm-up outside the timings: the first calls of each shape allocate and pick kernels (a
+    # long prompt in full chunks, then short prompts after a cached prefix, then decode rows)
+    warm_args = argparse.Namespace(**{**vars(args), "requests": 3, "system_tokens": 600})
+    for concurrent in (False, True):
+        run_engine(model, tok, system_sessions(tok, warm_args, concurrent), 4, True, True, args)
     if "llamacpp" in methods:
-        run_llamacpp(args.llamacpp_url, [Session(0, lambda a: None if a else [1, 2, 3, 4])], 4, True)
+        run_llamacpp(args.llamacpp_url, system_sessions(tok, warm_args, False), 4, True)
 
     workloads = [w for w in args.workloads.split(",") if w]
     system_rows, chat_rows, chat_detail = [], [], {}
