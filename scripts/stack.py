@@ -55,6 +55,7 @@ class Child:
     env: dict[str, str]
     port: int | None = None
     worker_id: str | None = None
+    metrics_port: int | None = None    # a worker's /metrics
     proc: subprocess.Popen | None = None
     stopped_by_us: bool = False
     pump: threading.Thread | None = field(default=None, repr=False)
@@ -149,10 +150,15 @@ class Stack:
             env = {**base_env, "GATEWAY_PORT": str(port)}
             self.children.append(Child(f"gateway-{i}", "gateway", [py, "-m", "gateway"], env, port=port))
         id_base = self.settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        metrics_base = (self.args.worker_metrics_port if self.args.worker_metrics_port is not None
+                        else self.settings.worker_metrics_port)
         for i in range(self.args.workers):
             wid = f"{id_base}-w{i}"
-            env = {**base_env, "WORKER_ID": wid}
-            self.children.append(Child(f"worker-{i}", "worker", [py, "-m", "worker"], env, worker_id=wid))
+            # one host: each worker its own metrics port (the next ones follow; -1 = free ports)
+            metrics_port = 0 if metrics_base == 0 else free_port() if metrics_base < 0 else metrics_base + i
+            env = {**base_env, "WORKER_ID": wid, "WORKER_METRICS_PORT": str(metrics_port)}
+            self.children.append(Child(f"worker-{i}", "worker", [py, "-m", "worker"], env, worker_id=wid,
+                                       metrics_port=metrics_port or None))
 
         for child in self.children:
             self._spawn(child)
@@ -251,7 +257,9 @@ class Stack:
             "stream_prefix": self.settings.stream_prefix,
             "gateways": [{"name": c.name, "pid": c.proc.pid, "port": c.port,
                           "url": f"ws://127.0.0.1:{c.port}/v1/stream"} for c in self.gateways],
-            "workers": [{"name": c.name, "pid": c.proc.pid, "worker_id": c.worker_id} for c in self.workers],
+            "workers": [{"name": c.name, "pid": c.proc.pid, "worker_id": c.worker_id,
+                         "metrics_url": f"http://127.0.0.1:{c.metrics_port}/metrics" if c.metrics_port else None}
+                        for c in self.workers],
             "proxy": ({"pid": next(c.proc.pid for c in self.children if c.kind == "proxy"), "port": self.proxy_port,
                        "url": f"ws://127.0.0.1:{self.proxy_port}/v1/stream"} if self.proxy_port else None),
         }
@@ -329,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway-port", type=int, default=None,
                    help="first gateway port, the next ones follow (default GATEWAY_PORT; 0 = free ports)")
     p.add_argument("--proxy-port", type=int, default=8080, help="nginx port (default 8080; 0 = a free port)")
+    p.add_argument("--worker-metrics-port", type=int, default=None,
+                   help="first worker's /metrics port, the next ones follow (default WORKER_METRICS_PORT; "
+                        "0 = off; -1 = free ports)")
     p.add_argument("--redis-port", type=int, default=0, help="embedded Redis port (default: a free port)")
     p.add_argument("--run-dir", default="",
                    help="Redis data (AOF), nginx config and stack.json; kept (default: a temp dir, removed at exit)")

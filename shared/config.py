@@ -91,6 +91,10 @@ class Settings(BaseSettings):
                                                    "the engine's host work and the Redis I/O then use a core each); "
                                                    "false = a thread of the worker process")
     output_buffer_max: int = Field(4096, description="step outputs a worker buffers while Redis is unreachable before pausing the engine")
+    worker_metrics_port: int = Field(9400, ge=0, le=65535, description="the worker serves Prometheus metrics at "
+                                                                       "/metrics on this port (ADMIN_TOKEN guards "
+                                                                       "it); 0 = off")
+    worker_metrics_host: str = Field("0.0.0.0", description="address the worker's /metrics listens on")
 
     admin_token: SecretStr = Field(SecretStr(""), description="bearer token for admin endpoints")
 

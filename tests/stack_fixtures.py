@@ -28,7 +28,8 @@ PYTHON = sys.executable
 
 def _env(redis_url: str, prefix: str, extra: dict | None) -> dict:
     env = dict(os.environ)
-    env.update({"REDIS_URL": redis_url, "STREAM_PREFIX": prefix, "PYTHONUNBUFFERED": "1"})
+    # many workers share this host in tests: no metrics port unless a test asks for one
+    env.update({"REDIS_URL": redis_url, "STREAM_PREFIX": prefix, "PYTHONUNBUFFERED": "1", "WORKER_METRICS_PORT": "0"})
     env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
 

@@ -61,7 +61,7 @@ class Control:
         st = self.table.requests.get(rid)
         if kind == "cancel":
             if st is not None and not st.engine_done:
-                self.engine.submit(Cancel(rid))
+                self.engine.submit(Cancel(rid, received_at=time.time()))
         elif kind == "attach":
             gw, att = msg.get("gw"), msg.get("att")
             if not isinstance(gw, str) or not gw or not isinstance(att, int):

@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 
 from shared.streams import RequestEntry
 from worker.engine import StepOutput
+from worker.telemetry import Telemetry
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Add:
 class Cancel:
     rid: str
     silent: bool = False  # drop without a final output (the request was handed to another worker)
+    received_at: float = 0.0  # time.time() when the worker received it (the cancel-latency metric)
 
 
 class EngineClient(Protocol):
@@ -54,6 +56,10 @@ class EngineClient(Protocol):
 
     def take_outputs(self) -> list[StepOutput]:
         """Everything produced so far, in step order; makes room for more."""
+
+    def take_telemetry(self) -> Telemetry:
+        """The engine's step and cancel records since the last take, and its latest gauges
+        (worker.metrics reads them a few times a second)."""
 
     def is_alive(self) -> bool:
         """False once the engine is gone (its thread or process died, or it was stopped)."""

@@ -40,6 +40,7 @@ from shared.streams import RequestEntry
 from worker.engine import StepOutput
 from worker.engine_client import Add, Cancel, EngineClient
 from worker.engine_thread import EngineThread
+from worker.telemetry import Telemetry
 
 log = logging.getLogger("worker.engine")
 
@@ -54,19 +55,19 @@ class EngineStartFailed(RuntimeError):
 # ---- wire format (positional msgpack lists) ------------------------------------------------
 
 def _pack_output(o: StepOutput) -> list:
-    """A token output in 6 fields; finals and errors in all 11."""
+    """A token output in 6 fields; finals and errors in all 12."""
     if not o.finished and o.error_code is None:
         return [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms]
     return [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms,
             o.finished, o.finish_reason, o.error_code.value if o.error_code is not None else None, o.error_message,
-            o.cached_tokens]
+            o.cached_tokens, o.admitted_ms]
 
 
 def _unpack_output(f: list) -> StepOutput:
     if len(f) == 6:
         return StepOutput(f[0], f[1], list(f[2]), False, None, f[3], f[4], None, None, f[5])
     return StepOutput(f[0], f[1], list(f[2]), f[6], f[7], f[3], f[4], ErrorCode(f[8]) if f[8] is not None else None,
-                      f[9], f[5], f[10])
+                      f[9], f[5], f[10], f[11])
 
 
 def _status(t: EngineThread) -> list:
@@ -115,6 +116,7 @@ class EngineProcess:
         self.preemptions = self.steps = self.failed_steps = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.unhealthy_reason = ""
+        self._telemetry = Telemetry()
 
     def launch(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start the child and wait until its engine is built (the model loaded)."""
@@ -155,7 +157,7 @@ class EngineProcess:
         if isinstance(command, Add):
             self._send(["add", command.entry.encode(), command.generated_ids])
         else:
-            self._send(["cancel", command.rid, command.silent])
+            self._send(["cancel", command.rid, command.silent, command.received_at])
 
     def take_outputs(self) -> list[StepOutput]:
         """Everything received so far, in step order; returns the credit to the child."""
@@ -163,6 +165,9 @@ class EngineProcess:
         if outs:
             self._send(["took", len(outs)])
         return outs
+
+    def take_telemetry(self) -> Telemetry:
+        return self._telemetry.take()
 
     def is_alive(self) -> bool:
         return bool(self._proc and not self._gone and self._proc.is_alive())
@@ -202,7 +207,8 @@ class EngineProcess:
             for _ in range(self.MESSAGES_PER_WAKE):
                 # tuples, not lists: a third of the decoding cost at 1024 rows a step
                 kind, *rest = msgpack.unpackb(conn.recv_bytes(), use_list=False)
-                self._apply_status(rest[-1])
+                self._apply_status(rest[-2])
+                self._telemetry.merge(Telemetry.unpack(rest[-1]))
                 if kind == "out":
                     self._outputs.extend([_unpack_output(f) for f in rest[0]])
                     got = True
@@ -274,7 +280,7 @@ class _ChildLink:
             if self._stop:
                 return
             self._outstanding += len(outs)
-        self.send(["out", [_pack_output(o) for o in outs], _status(self.thread)])
+        self.send(["out", [_pack_output(o) for o in outs], _status(self.thread), self.thread.take_telemetry().pack()])
 
     def took(self, n: int) -> None:
         with self._credit:
@@ -327,7 +333,7 @@ def _serve_commands(conn: Connection, thread: EngineThread, link: _ChildLink) ->
             if kind == "add":
                 thread.submit(Add(RequestEntry.decode(rest[0]), generated_ids=list(rest[1])))
             elif kind == "cancel":
-                thread.submit(Cancel(rest[0], silent=rest[1]))
+                thread.submit(Cancel(rest[0], silent=rest[1], received_at=rest[2]))
             elif kind == "took":
                 link.took(rest[0])
             else:
@@ -336,4 +342,4 @@ def _serve_commands(conn: Connection, thread: EngineThread, link: _ChildLink) ->
             log.critical("the engine thread died")
             return 1
         if time.monotonic() - link.last_status >= STATUS_EVERY_S:
-            link.send(["status", _status(thread)])
+            link.send(["status", _status(thread), thread.take_telemetry().pack()])

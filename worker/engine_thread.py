@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from shared.errors import ErrorCode
 from worker.engine import EngineRejected, EngineRequest, StepOutput, build_prompt_ids
 from worker.engine_client import Add, Cancel
+from worker.telemetry import GAUGES_EVERY_S, Telemetry
 
 __all__ = ["Add", "Cancel", "EngineThread", "error_output", "on_loop"]
 
@@ -65,6 +66,9 @@ class EngineThread:
         # requests, so the thread itself stays alive and only its outputs tell)
         self.failed_steps = 0
         self.unhealthy_reason = ""
+        # for the worker's metrics: one record a step, one a cancel (worker.telemetry)
+        self.telemetry = Telemetry()
+        self._telemetry_lock = threading.Lock()
 
     # ---- called from the asyncio side -----------------------------------------------------
 
@@ -90,6 +94,10 @@ class EngineThread:
             self._cond.notify_all()
         return [o for batch in batches for o in batch]
 
+    def take_telemetry(self) -> Telemetry:
+        with self._telemetry_lock:
+            return self.telemetry.take()
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -106,7 +114,9 @@ class EngineThread:
             with self._cond:
                 while not self._stop and (self._buffered >= self.buffer_max
                                           or (not self._inbox and not self.engine.has_work)):
-                    self._cond.wait(1.0)
+                    self._cond.wait(GAUGES_EVERY_S)
+                    with self._telemetry_lock:     # idle: the gauges still follow (e.g. blocks now cached)
+                        self.telemetry.sample_gauges(self.engine, time.monotonic())
                 if self._stop:
                     return
                 commands = list(self._inbox)
@@ -118,12 +128,17 @@ class EngineThread:
                 except Exception:
                     log.exception("engine command %r failed", command)
             if self.engine.has_work:
+                started = time.perf_counter()
                 try:
                     produced.extend(self.engine.step())
                     self.steps += 1
                 except Exception:  # the engine catches forward errors itself; this is a last resort
                     log.exception("engine step raised; failing its requests")
                     produced.extend(self._fail_all())
+                step = getattr(self.engine, "last_step", None)
+                if step is not None:
+                    with self._telemetry_lock:
+                        self.telemetry.record_step(*step, time.perf_counter() - started)
             self._check_health(produced)
             produced = [o for o in produced if not self._swallow(o)]
             self.running, self.waiting = self.engine.num_running, self.engine.num_waiting
@@ -131,6 +146,8 @@ class EngineThread:
             self.preemptions = self.engine.preemptions
             self.prefix_cache_queries = getattr(self.engine, "prefix_cache_queries", 0)   # 0: the synthetic engine
             self.prefix_cache_hits = getattr(self.engine, "prefix_cache_hits", 0)
+            with self._telemetry_lock:
+                self.telemetry.sample_gauges(self.engine, time.monotonic())
             if produced:
                 with self._cond:
                     self._outputs.append(produced)
@@ -156,8 +173,12 @@ class EngineThread:
 
     def _apply(self, command: Add | Cancel) -> list[StepOutput]:
         if isinstance(command, Cancel):
-            if self.engine.cancel(command.rid) and command.silent:
-                self._silent.add(command.rid)
+            if self.engine.cancel(command.rid):       # its KV blocks are free now
+                if command.silent:
+                    self._silent.add(command.rid)
+                else:
+                    with self._telemetry_lock:
+                        self.telemetry.record_cancel(command.received_at)
             return []
         entry = command.entry
         try:

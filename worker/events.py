@@ -65,6 +65,12 @@ class InFlight:
     pending_text: str = ""
     pending_ms: int = 0                  # when the oldest pending output was produced
     first_token_ms: int = 0              # when the request's first token was produced (any run)
+    # for the worker's metrics, set as outputs arrive (worker.metrics.request_finished)
+    meaningful_ms: int = 0               # first token with non-whitespace text
+    admitted_ms: int = 0                 # first scheduled in the engine (from the final output)
+    final_ms: int = 0                    # the engine's final output
+    completion_tokens: int = 0
+    finish_reason: str = ""
     unsent: list[Frozen] = field(default_factory=list)
     marker_att: int | None = None        # an attach marker to send ahead of live events
     engine_done: bool = False            # the engine will produce nothing more for it
@@ -90,9 +96,13 @@ class InFlight:
                 self.pending_ms = out.emitted_ms
             if out.token_ids and not self.first_token_ms:
                 self.first_token_ms = out.emitted_ms
+            if not self.meaningful_ms and out.text and not out.text.isspace():
+                self.meaningful_ms = out.emitted_ms
             self.pending_ids.extend(out.token_ids)
             self.pending_text += out.text
         if out.finished:
+            self.final_ms, self.admitted_ms = out.emitted_ms, out.admitted_ms
+            self.completion_tokens, self.finish_reason = out.completion_tokens, out.finish_reason or "stop"
             if out.finish_reason == "error":
                 code = out.error_code or ErrorCode.INTERNAL
                 self.finish_error(code, out.error_message or code.value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from worker.engine_client import Cancel, EngineClient
 from worker.events import InFlight
@@ -34,8 +35,10 @@ class Stats:
 class InFlightTable:
     """Every request this worker owns, from accept until its final is written and acked."""
 
-    def __init__(self, engine: EngineClient, *, capacity: int, queue_depth: int, stats: Stats):
+    def __init__(self, engine: EngineClient, *, capacity: int, queue_depth: int, stats: Stats,
+                 on_finished: Callable[[InFlight], None] = lambda st: None):
         self.engine = engine
+        self.on_finished = on_finished      # once per request whose final is written (metrics)
         self.capacity = capacity            # the engine's running batch
         self.queue_depth = queue_depth      # queued in the engine beyond it
         self.stats = stats
@@ -74,6 +77,7 @@ class InFlightTable:
             if self.holds(st):
                 del self.requests[st.rid]
                 self.stats.finished += 1
+                self.on_finished(st)
         self.wake()
 
     def drop(self, st: InFlight) -> None:

@@ -429,7 +429,7 @@ class Intake:
                 continue
             kept.append(st)
             if verdict == 1 and self.table.holds(st) and not st.engine_done:
-                self.engine.submit(Cancel(st.rid))
+                self.engine.submit(Cancel(st.rid, received_at=time.time()))
         if kept:
             # an entry another consumer claimed comes back to us (that worker found our lease
             # alive and left the request to us); our own get their idle time reset

@@ -69,7 +69,7 @@ from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_attach_mark
 from worker.engine import StepOutput
 from worker.events import InFlight
 from worker.failover import DEAD_MAXLEN
-from worker.redis_io import TRANSIENT
+from worker.redis_io import TRANSIENT, count_error
 
 log = logging.getLogger("worker.output")
 
@@ -143,7 +143,8 @@ class OutputWriter:
     def __init__(self, redis, keys: Keys, settings: Settings, worker_id: str, *,
                  on_give_up: Callable[[InFlight], None] = lambda st: None,
                  on_done: Callable[[list[InFlight]], None] = lambda done: None,
-                 on_fenced: Callable[[InFlight], None] = lambda st: None):
+                 on_fenced: Callable[[InFlight], None] = lambda st: None,
+                 on_commit: Callable[[float, int], None] = lambda seconds, requests: None):
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -151,6 +152,7 @@ class OutputWriter:
         self.on_give_up = on_give_up
         self.on_done = on_done                # called with the requests a commit completed
         self.on_fenced = on_fenced            # called with a request another worker took over
+        self.on_commit = on_commit            # (seconds, requests) of each commit (metrics)
         self._live_backlog: dict[str, list[bytes]] = {}   # live copies a connection error kept back
         self.lock = asyncio.Lock()            # one commit at a time: events of a request stay in order
         self._sha: str | None = None
@@ -165,7 +167,11 @@ class OutputWriter:
         now in history (and dead-letter `dead_letters` with their ack). Returns the requests
         that are completely done. Raises transient Redis errors (nothing is lost)."""
         async with self.lock:
-            return await self._commit(list(states), list(dead_letters))
+            states = list(states)
+            started = time.perf_counter()
+            done = await self._commit(states, list(dead_letters))
+            self.on_commit(time.perf_counter() - started, len(states))
+            return done
 
     async def _commit(self, states: list[InFlight], dead_letters: list[DeadLetter]) -> list[InFlight]:
         now = time.monotonic()
@@ -296,6 +302,7 @@ class OutputWriter:
         self.on_fenced(st)
 
     def _refused(self, st: InFlight, exc: Exception, now: float) -> None:
+        count_error(exc)
         st.failures += 1
         self.stats["refused"] += 1
         st.retry_at = now + random.uniform(0.5, 1.0) * min(1.0, 0.05 * 2 ** st.failures)

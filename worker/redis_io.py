@@ -25,6 +25,17 @@ T = TypeVar("T")
 # Errors that mean "Redis is (temporarily) not there"; anything else is a real bug or bad data.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
+# Redis calls that failed, by kind (worker.metrics exports them): connection, timeout, loading
+# (a restarted Redis still reading its AOF), refused (Redis answered with an error, e.g. OOM)
+REDIS_ERRORS: dict[str, int] = {}
+
+
+def count_error(exc: BaseException) -> None:
+    kind = ("loading" if isinstance(exc, BusyLoadingError) else
+            "timeout" if isinstance(exc, (RedisTimeoutError, TimeoutError)) else
+            "connection" if isinstance(exc, TRANSIENT) else "refused")
+    REDIS_ERRORS[kind] = REDIS_ERRORS.get(kind, 0) + 1
+
 
 BLOCKING_READ_TIMEOUT_S = 11.0   # socket timeout of the blocking readers: beyond their BLOCK (1 s)
 
@@ -83,6 +94,7 @@ async def with_backoff(op: Callable[[], Awaitable[T]], what: str, stopping: Call
             backoff.reset()
             return result
         except TRANSIENT as exc:
+            count_error(exc)
             if stopping():
                 raise asyncio.CancelledError(f"stopping while redis is down ({what})") from exc
             delay = backoff.next_delay()

@@ -36,10 +36,13 @@ from worker.engine_client import EngineClient
 from worker.inflight import InFlightTable, Stats
 from worker.intake import Intake
 from worker.lifecycle import Lifecycle
+from worker.metrics import WorkerMetrics
 from worker.output_writer import OutputWriter
-from worker.redis_io import RedisClients, with_backoff
+from worker.redis_io import REDIS_ERRORS, RedisClients, with_backoff
 
 log = logging.getLogger("worker.service")
+
+METRICS_PUMP_S = 0.5      # how often the engine's step and cancel records become metrics
 
 
 def default_worker_id() -> str:
@@ -57,10 +60,13 @@ class WorkerService:
         self.stats = stats = Stats()
         self.stop = asyncio.Event()
         self.outputs_event = asyncio.Event()     # the engine has outputs to take
+        self.metrics = metrics = WorkerMetrics(sources=lambda: {
+            "engine": engine, "stats": stats, "writer_stats": self.writer.stats, "redis_errors": REDIS_ERRORS,
+            "kv_block_tokens": s.kv_block_size})
         self.table = table = InFlightTable(engine, capacity=s.max_batch, queue_depth=s.worker_queue_depth,
-                                           stats=stats)
+                                           stats=stats, on_finished=metrics.request_finished)
         self.writer = writer = OutputWriter(self.redis.output, keys, s, worker_id, on_give_up=table.give_up,
-                                            on_done=table.finished, on_fenced=table.drop)
+                                            on_done=table.finished, on_fenced=table.drop, on_commit=metrics.commit)
         self.intake = Intake(redis=self.redis.main, blocking_redis=self.redis.intake, keys=keys, settings=s,
                              worker_id=worker_id, table=table, engine=engine, writer=writer, stats=stats,
                              stop=self.stop)
@@ -78,8 +84,20 @@ class WorkerService:
     def request_stop(self) -> None:
         self.lifecycle.request_stop()
 
+    async def pump_metrics(self) -> None:
+        """The engine's step and cancel records into the metrics (also while nobody scrapes:
+        that is what keeps the engine's record lists short)."""
+        while True:
+            await asyncio.sleep(METRICS_PUMP_S)
+            self.metrics.pump(self.engine.take_telemetry())
+
     async def run(self) -> None:
         stopping = self.lifecycle.stopping
+        if self.settings.worker_metrics_port:
+            port = self.metrics.serve(self.settings.worker_metrics_host, self.settings.worker_metrics_port,
+                                      self.settings.admin_token.get_secret_value())
+            if port:
+                log.info("metrics on http://%s:%d/metrics", self.settings.worker_metrics_host, port)
         await with_backoff(self.intake.ensure_group, "create consumer group", stopping)
         await with_backoff(self.lifecycle.heartbeat_once, "register", stopping)
         self.engine.start(self.outputs_event.set)
@@ -92,7 +110,7 @@ class WorkerService:
                                                        self.outputs_event), "write outputs")
         tasks = [asyncio.create_task(supervised(name, fn), name=name) for name, fn in (
             ("writer", write), ("control", self.control.loop), ("heartbeat", self.lifecycle.heartbeat_loop),
-            ("keep-fresh", self.intake.keep_fresh_loop),
+            ("keep-fresh", self.intake.keep_fresh_loop), ("metrics", self.pump_metrics),
         )]
         feeders = [asyncio.create_task(supervised("intake", self.intake.intake_loop), name="intake"),
                    asyncio.create_task(supervised("claimer", self.intake.claim_loop), name="claimer")]
@@ -107,5 +125,6 @@ class WorkerService:
         finally:
             await asyncio.gather(*(cancel_and_wait(task) for task in feeders + tasks))
             self.engine.stop()
+            self.metrics.close()
             await self.redis.aclose()
         log.info("worker %s stopped: %s %s", self.worker_id, self.stats.as_dict(), self.writer.stats)

@@ -64,6 +64,7 @@ class SyntheticEngine:
         self._finals: list[StepOutput] = []
         self._next = time.monotonic()
         self.steps = 0
+        self.last_step: tuple[int, int, int, int] | None = None   # as Engine.last_step (metrics)
         self._window = (time.monotonic(), 0)
 
     # ---- the engine's public API ----
@@ -138,6 +139,8 @@ class SyntheticEngine:
             outputs.append(StepOutput(rid, "" if suppressed else text, [] if suppressed else [tid], done,
                                       "length" if done else None, len(req.prompt_ids), n))
         self.steps += 1
+        rows = len(self._running) + sum(1 for o in outputs if o.finished)
+        self.last_step = (rows, 0, rows, rows)
         self._report()
         return outputs
 

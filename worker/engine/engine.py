@@ -94,6 +94,9 @@ class Engine:
         self._by_rid: dict[str, Sequence] = {}
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
         self._arrivals = 0
+        # the last forward pass, for the worker's metrics: (rows, prompt tokens computed, decode
+        # rows, tokens sampled); None when step() ran none
+        self.last_step: tuple[int, int, int, int] | None = None
 
     # ---- public API -------------------------------------------------------------------
 
@@ -207,6 +210,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Pending finals (cancels) if there are any, else one scheduled forward pass and what
         each request produced."""
+        self.last_step = None
         if self._finals:
             return self._take_finals()
         try:
@@ -223,6 +227,12 @@ class Engine:
             log.exception("engine step failed")
             self._fail(plan.scheduled, f"engine step failed: {exc}")
             return self._take_finals()
+        prompt_tokens = 0
+        for seq, n in plan.prefill:   # O(prompt rows): the rows that can be newly admitted
+            prompt_tokens += n
+            if not seq.admitted_ms:
+                seq.admitted_ms = int(time.time() * 1000)
+        self.last_step = (len(plan.decode) + len(plan.prefill), prompt_tokens, len(plan.decode), len(tokens))
         return self._update(plan, tokens) + self._take_finals()
 
     # ---- internals --------------------------------------------------------------------
@@ -279,8 +289,10 @@ class Engine:
             if reason is None:
                 return None
             text, ids = "", []
-        return StepOutput(seq.rid, text, ids, reason is not None, reason, seq.prompt_len, n, None, None, now_ms,
-                          0 if reason is None else min(seq.cached_tokens, seq.prompt_len))
+        if reason is None:
+            return StepOutput(seq.rid, text, ids, False, None, seq.prompt_len, n, None, None, now_ms)
+        return StepOutput(seq.rid, text, ids, True, reason, seq.prompt_len, n, None, None, now_ms,
+                          min(seq.cached_tokens, seq.prompt_len), seq.admitted_ms)
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
@@ -302,4 +314,5 @@ class Engine:
                message: str | None = None) -> StepOutput:
         return StepOutput(rid=seq.rid, text=text, token_ids=[], finished=True, finish_reason=reason,
                           prompt_tokens=seq.prompt_len, completion_tokens=seq.completion_tokens,
-                          error_code=code, error_message=message, cached_tokens=min(seq.cached_tokens, seq.prompt_len))
+                          error_code=code, error_message=message, cached_tokens=min(seq.cached_tokens, seq.prompt_len),
+                          admitted_ms=seq.admitted_ms)

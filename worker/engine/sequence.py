@@ -34,6 +34,7 @@ class Sequence:
     # and how many of `blocks` the block table holds: blocks are only ever appended while
     # running, so a step writes just the new ones.
     slot: int = -1
+    admitted_ms: int = 0            # wall clock of its first scheduled prompt chunk (queue time ends)
     staged_blocks: int = 0
     # Prefix caching (block_pool.py): the names of the context's leading full blocks (computed
     # once each, as they are looked up or fill), the chain's root (model and salt), how many of

@@ -59,3 +59,6 @@ class StepOutput:
     # final outputs: the prompt tokens whose KV came from the prefix cache instead of being
     # computed (OpenAI's usage.prompt_tokens_details.cached_tokens)
     cached_tokens: int = 0
+    # final outputs: wall clock (ms) when the request first ran (its queue time ends there; 0:
+    # it never ran, e.g. cancelled while waiting)
+    admitted_ms: int = 0

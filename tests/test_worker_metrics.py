@@ -1,0 +1,110 @@
+"""The worker's /metrics (docs/operations.md, "Metrics"): a real worker (its engine in a child
+process, a tiny model) serves requests and a cancel; its metrics, scraped over HTTP behind
+ADMIN_TOKEN, show the engine's steps, tokens, latencies, KV and prefix-cache use, the cancel's
+latency and the output commits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.localredis import free_port
+from shared.streams import ENTRY_FIELD, Keys, encode_cancel
+from tests.gateway_client import eventually
+from tests.stack_fixtures import start_worker
+from tests.worker_redis import owner_of, read_events, submit, wait_for_tokens
+from worker.metrics import WorkerMetrics
+
+TOKEN = "metrics-secret"
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted label items): value} of a /metrics page."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def get(found: dict, name: str, **labels) -> float:
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_a_worker_reports_its_engine_requests_cancels_and_io(redis_server, redis_client, stream_prefix,
+                                                                   tiny_model_dir, tmp_path):
+    port = free_port()
+    keys = Keys(stream_prefix)
+    proc = start_worker(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, name="w-metrics",
+                        env={"WORKER_METRICS_PORT": port, "ADMIN_TOKEN": TOKEN, "MAX_BATCH": 8})
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(url)).status_code == 401
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            prompt = "Once upon a time there was a cat who lived in a small house by the sea."
+            rids = [await submit(redis_client, keys, prompt=prompt, max_tokens=16) for _ in range(3)]
+            long = await submit(redis_client, keys, prompt=prompt, max_tokens=1500)
+            for rid in rids:
+                assert (await read_events(redis_client, keys, rid))[-1]["finish_reason"] == "length"
+            await wait_for_tokens(redis_client, keys, long, 5)
+            owner = await owner_of(redis_client, keys, long)
+            await redis_client.xadd(keys.ctl(owner), {ENTRY_FIELD: encode_cancel(long)})
+            assert (await read_events(redis_client, keys, long))[-1]["finish_reason"] == "cancelled"
+
+            found: dict = {}
+
+            async def settled() -> bool:
+                nonlocal found
+                found = samples((await http.get(url, headers=auth)).text)
+                return get(found, "worker_cancel_latency_seconds_count") == 1 and \
+                    get(found, "worker_e2e_request_latency_seconds_count") >= 4 and \
+                    get(found, "worker_kv_blocks", state="cached") > 0     # gauges follow within a second
+            assert await eventually(settled, timeout=15, interval=0.2), sorted(found)[:20]
+
+        assert get(found, "worker_generation_tokens_total") >= 3 * 16 + 5
+        assert get(found, "worker_prompt_tokens_total") > 0
+        assert get(found, "worker_step_duration_seconds_count", kind="prefill") >= 1
+        assert get(found, "worker_step_duration_seconds_count", kind="decode") >= 10
+        assert get(found, "worker_batch_size_count") >= 16
+        assert get(found, "worker_batch_size_sum") > get(found, "worker_batch_size_count")   # some steps batched
+        assert get(found, "worker_iteration_tokens_count", kind="decode") >= 10
+        for name in ("worker_time_to_first_token_seconds_count", "worker_time_to_first_meaningful_token_seconds_count",
+                     "worker_request_queue_time_seconds_count", "worker_time_per_output_token_seconds_count"):
+            assert get(found, name) >= 3, name
+        assert get(found, "worker_request_success_total", finish_reason="length") == 3
+        assert get(found, "worker_request_success_total", finish_reason="cancelled") == 1
+        assert get(found, "worker_cancels_total") == 1
+        assert 0 <= get(found, "worker_cancel_latency_seconds_sum") < 5
+        assert get(found, "worker_output_commit_requests_count") > 0
+        assert get(found, "worker_engine_healthy") == 1
+        assert get(found, "worker_kv_cache_usage_perc") == 0       # nothing runs now
+        assert get(found, "worker_kv_blocks", state="used") == 0
+        assert get(found, "worker_prefix_cache_queries_total") > get(found, "worker_prefix_cache_hits_total") > 0
+        assert get(found, "worker_num_requests_running", lane="interactive") == 0
+        assert get(found, "worker_claims_total") == 0 and get(found, "worker_fenced_writes_total") == 0
+        assert ("process_start_time_seconds", ()) in found
+    finally:
+        proc.stop()
+
+
+def test_every_documented_worker_metric_is_exported_and_every_exported_one_documented():
+    from pathlib import Path
+    import re
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    documented = set(re.findall(r"^\| `(worker_[a-z0-9_]+)(?:\{[^}]*\})?` \|", doc, re.MULTILINE))
+    exported = {f.name + ("_total" if f.type == "counter" else "")
+                for f in WorkerMetrics().registry.collect() if f.name.startswith("worker_")}
+    assert documented == exported, (sorted(documented - exported), sorted(exported - documented))
+
+
+async def test_a_taken_port_leaves_the_worker_running_without_metrics():
+    metrics = WorkerMetrics()
+    port = metrics.serve("127.0.0.1", 0, "")
+    try:
+        assert port and (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/metrics")).status_code == 200
+        assert WorkerMetrics().serve("127.0.0.1", port, "") is None
+    finally:
+        metrics.close()
