@@ -140,7 +140,7 @@ class Stack:
             self.redis_url = self.redis.url
             _log(f"redis-server on {self.redis_url} (AOF in {data})")
         else:
-            _log(f"using REDIS_URL from the environment")
+            _log("using REDIS_URL from the environment")
 
         base_env = {**os.environ, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
         py = sys.executable
