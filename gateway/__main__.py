@@ -8,12 +8,13 @@ import sys
 
 from gateway.server import GatewayServer, build_config
 from gateway.settings import GatewaySettings
+from shared.logs import configure
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure("gateway")
     settings = GatewaySettings()
-    print(settings.log_line("gateway"), flush=True)
+    logging.getLogger("gateway").info(settings.log_line("gateway"))
     # uvicorn re-raises the signal that stopped it once it has shut down; after a completed
     # graceful drain that is a clean exit, not death by signal
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

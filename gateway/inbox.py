@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from shared.aio import cancel_and_wait
 from shared.streams import ENTRY_FIELD, as_str, decode_event_list
+from shared.logs import rid_of
 
 log = logging.getLogger("gateway.inbox")
 
@@ -126,4 +127,4 @@ class Inbox:
             try:
                 sub.callback(ev)
             except Exception:
-                log.exception("inbox callback failed for %s", sub.rid)
+                log.exception("inbox callback failed for %s", sub.rid, extra=rid_of(sub.rid))

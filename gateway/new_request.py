@@ -17,6 +17,7 @@ the client to the first request like a resume from 0. That is how a client that 
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -30,8 +31,12 @@ from gateway.requests import RequestTable
 from gateway.settings import GatewaySettings
 from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
+from shared.logs import rid_of
 from shared.protocol import MIN_ANONYMOUS_IDEMPOTENCY_CHARS, Generate
 from shared.streams import RequestEntry, SamplingParams
+
+
+log = logging.getLogger("gateway.requests")
 
 
 class AlreadyStarted(Exception):
@@ -105,6 +110,9 @@ class RequestStarter:
             raise
         if first is not None:
             requests.drop(req)
+            log.debug("request %s not started: its idempotency key started %s", rid, first, extra=rid_of(first))
             raise AlreadyStarted(first)
         req.slot_held = True
+        log.debug("request %s queued for %s as %r (%d prompt chars, max_tokens %d)", rid, key_id, cid,
+                  msg.prompt_chars(), max_tokens, extra=rid_of(rid))
         return req

@@ -51,6 +51,7 @@ from gateway.sessions import Sessions, StreamingSession
 from gateway.socket_io import SHUTDOWN_REASON
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Accepted, Chunk, Done, Error, Heartbeat, Resume, parse_client_message
+from shared.logs import rid_of
 
 log = logging.getLogger("gateway.openai")
 
@@ -578,7 +579,7 @@ class RunRequest(Response):
         try:
             await self.hub.submitter.cancel(req.rid)    # flag + owner's control stream: a queued one never starts
         except (RedisError, OSError) as exc:
-            log.warning("could not cancel %s after a client disconnect: %s", req.rid, exc)
+            log.warning("could not cancel %s after a client disconnect: %s", req.rid, exc, extra=rid_of(req.rid))
 
 
 async def _wait_disconnect(receive: Receive) -> bool:

@@ -38,6 +38,7 @@ from gateway.request_state import RequestState
 from gateway.settings import GatewaySettings
 from shared.errors import ErrorCode
 from shared.protocol import Done
+from shared.logs import rid_of
 
 log = logging.getLogger("gateway.connection")
 
@@ -99,6 +100,8 @@ class RequestTable:
         self.metrics.requests.labels(done.finish_reason).inc()
         if req.last_sent is not None and not req.resumed:
             self.metrics.ttlt.observe(req.last_sent - req.started)
+        log.debug("request %s done on this gateway (%s): %s, seq %d", req.rid, req.client_id, done.finish_reason,
+                  done.seq, extra=rid_of(req.rid))
         self._detach(req)
         self._by_id.pop(req.client_id, None)
         req.slot_held = False
@@ -195,7 +198,7 @@ class RequestTable:
         if not events:
             return
         if join.gap is not None:
-            log.warning("request %s ends with output_lost: %s", req.rid, join.gap)
+            log.warning("request %s ends with output_lost: %s", req.rid, join.gap, extra=rid_of(req.rid))
         now = time.monotonic()
         was_empty = req.buffer.empty
         for ev in events:
@@ -218,7 +221,7 @@ class RequestTable:
             except (RedisError, OSError) as exc:
                 if req.finished:
                     return
-                log.warning("history read for %s failed (%s); retrying", req.rid, exc)
+                log.warning("history read for %s failed (%s); retrying", req.rid, exc, extra=rid_of(req.rid))
                 await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
         if req.finished:
             return

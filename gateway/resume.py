@@ -39,6 +39,7 @@ from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Resume
 from shared.streams import META_KEY
+from shared.logs import rid_of
 
 log = logging.getLogger("gateway.resume")
 
@@ -91,6 +92,8 @@ class Resumer:
             requests.drop(req)
             raise
         req.slot_held = True
+        log.debug("request %s resumed here as %r after seq %d (owner %s)", rid, cid, msg.last_seq, owner or "none",
+                  extra=rid_of(rid))
         accept(req)
         if owner is None:
             requests.read_now(req)   # nobody runs it now: the history is all there is so far
@@ -113,7 +116,7 @@ class Resumer:
             if owner:
                 await self.submitter.send_attach(req.rid, owner, req.att)
         except (RedisError, OSError) as exc:
-            log.warning("re-attach of %s failed: %s", req.rid, exc)
+            log.warning("re-attach of %s failed: %s", req.rid, exc, extra=rid_of(req.rid))
         requests.read_now(req)
         if req.join.attaching and not req.finished:
             self._schedule_retry(requests, req)

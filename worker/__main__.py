@@ -17,6 +17,7 @@ import signal
 import sys
 
 from shared.config import get_settings
+from shared.logs import configure
 from worker.model_files import SMOLLM2_GGUF
 
 
@@ -31,9 +32,8 @@ def dump_stacks() -> None:
 
 def main() -> int:
     settings = get_settings()
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    print(settings.log_line("worker"), flush=True)
+    configure("worker")
+    logging.getLogger("worker").info(settings.log_line("worker"))
     from worker.engine_process import EngineStartFailed, build_model_engine, start_engine
     from worker.service import WorkerService
 

@@ -36,6 +36,7 @@ from typing import Callable
 import msgpack
 
 from shared.errors import ErrorCode
+from shared.logs import configure
 from shared.streams import RequestEntry
 from worker.engine import StepOutput
 from worker.engine_client import Add, Cancel, EngineClient
@@ -297,8 +298,7 @@ def _child_main(build: Callable[[], object], conn: Connection, max_prompt_tokens
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    configure("engine")
     link = _ChildLink(conn, buffer_max)
     try:
         engine = build()

@@ -18,6 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 from shared.errors import ErrorCode
+from shared.logs import rid_of
 from worker.engine import EngineRejected, EngineRequest, StepOutput, build_prompt_ids
 from worker.engine_client import Add, Cancel
 from worker.telemetry import GAUGES_EVERY_S, Telemetry
@@ -194,7 +195,7 @@ class EngineThread:
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids))]
         except Exception as exc:  # a bug or odd input must fail this request only
-            log.exception("engine.add failed for %s", entry.rid)
+            log.exception("engine.add failed for %s", entry.rid, extra=rid_of(entry.rid))
             return [error_output(entry.rid, ErrorCode.INTERNAL, f"could not start the request: {exc}", len(ids))]
         return []
 

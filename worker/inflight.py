@@ -9,11 +9,15 @@ of them, instead of reaching into the service for its attributes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from shared.logs import rid_of
 from worker.engine_client import Cancel, EngineClient
 from worker.events import InFlight
+
+log = logging.getLogger("worker.inflight")
 
 
 @dataclass
@@ -78,6 +82,8 @@ class InFlightTable:
                 del self.requests[st.rid]
                 self.stats.finished += 1
                 self.on_finished(st)
+                log.debug("request %s finished here: %s, %d tokens", st.rid, st.finish_reason or "ended",
+                          st.completion_tokens, extra=rid_of(st.rid))
         self.wake()
 
     def drop(self, st: InFlight) -> None:

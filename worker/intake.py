@@ -39,6 +39,7 @@ from redis.exceptions import ResponseError
 from shared.aio import wait_event
 from shared.config import Settings
 from shared.errors import ErrorCode
+from shared.logs import rid_of
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, META_LEASE, META_OWNER, Keys, RequestEntry, as_str
 from shared.peer_liveness import PeerLiveness, server_run_id
 from worker import consumer_group, failover, registry
@@ -293,7 +294,11 @@ class Intake:
             return
         if decision.action == "continue":
             self.stats.continued += 1
-            log.info("continuing %s after its %d delivered tokens", rid, len(decision.generated_ids))
+            log.info("continuing %s after its %d delivered tokens", rid, len(decision.generated_ids),
+                     extra=rid_of(rid))
+        else:
+            log.debug("request %s taken (entry %s, epoch %d, priority %s)", rid, entry_id, st.epoch,
+                      entry.priority, extra=rid_of(rid))
         self.table.requests[rid] = st
         self.engine.submit(Add(entry, generated_ids=decision.generated_ids))
 
@@ -308,7 +313,8 @@ class Intake:
             self._contest(entry_id, fields, deliveries, rid, got, prev)
             return None
         if prev is not None:
-            log.info("worker %s's lease on %s lapsed (it died): taking the request", prev.owner, rid)
+            log.info("worker %s's lease on %s lapsed (it died): taking the request", prev.owner, rid,
+                     extra=rid_of(rid))
         return got
 
     def _contest(self, entry_id: str, fields: dict, deliveries: int, rid: str, held: Held,
@@ -318,11 +324,11 @@ class Intake:
             # No write, no ack: the owner's keep-fresh brings the entry back to its own PEL.
             self.stats.yielded += 1
             log.info("request %s (entry %s) belongs to worker %s, which is alive: leaving it to it", rid, entry_id,
-                     held.owner)
+                     held.owner, extra=rid_of(rid))
             return
         if prev is None:
             log.info("request %s (entry %s) is held by worker %s for %d ms more: looking again then", rid, entry_id,
-                     held.owner, held.remaining_ms)
+                     held.owner, held.remaining_ms, extra=rid_of(rid))
         self.contested[entry_id] = Contest(entry_id, fields, deliveries, held.owner, held.deadline_ms,
                                            time.monotonic() + held.remaining_ms / 1000 + RECHECK_MARGIN_S)
 
@@ -367,7 +373,7 @@ class Intake:
         rid = failover.rid_of_raw(raw)
         if rid is None or rid in self.table.requests:
             self.stats.dead += 1
-            log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
+            log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason, extra=rid_of(rid))
             dl = DeadLetter(entry_id, failover.dead_letter_fields(entry_id, reason, raw, self.worker_id, deliveries))
             await with_backoff(lambda: self.writer.commit([], [dl]), "dead-letter")
             return
@@ -385,7 +391,7 @@ class Intake:
         """Dead-letter an entry whose request we own now (`got`): its final error follows
         whatever earlier attempts wrote (our epoch fences off any of them still writing)."""
         self.stats.dead += 1
-        log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason)
+        log.warning("dead-lettering entry %s (rid %s): %s", entry_id, rid, reason, extra=rid_of(rid))
         fields = failover.dead_letter_fields(entry_id, reason, raw, self.worker_id, deliveries)
         key_id = failover.key_id_of_raw(raw)
         if isinstance(got, Finished):
@@ -424,7 +430,7 @@ class Intake:
             if verdict < 0:              # its epoch moved on: another worker took it over
                 if self.table.holds(st) and not st.final_written:
                     log.warning("request %s was taken over by another worker (meta.epoch is past %d); dropping it "
-                                "here", st.rid, st.epoch)
+                                "here", st.rid, st.epoch, extra=rid_of(st.rid))
                     self.table.drop(st)
                 continue
             kept.append(st)

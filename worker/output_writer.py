@@ -66,6 +66,7 @@ from shared.config import Settings
 from shared.aio import wait_event
 from shared.errors import ErrorCode
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_attach_marker, pack_event_list
+from shared.logs import rid_of
 from worker.engine import StepOutput
 from worker.events import InFlight
 from worker.failover import DEAD_MAXLEN
@@ -298,7 +299,8 @@ class OutputWriter:
         more, do not ack it; the new owner continues from what the history holds."""
         st.fenced = True
         self.stats["fenced"] += 1
-        log.warning("request %s was taken over by another worker (%s); dropping it here", st.rid, exc)
+        log.warning("request %s was taken over by another worker (%s); dropping it here", st.rid, exc,
+                    extra=rid_of(st.rid))
         self.on_fenced(st)
 
     def _refused(self, st: InFlight, exc: Exception, now: float) -> None:
@@ -307,12 +309,13 @@ class OutputWriter:
         self.stats["refused"] += 1
         st.retry_at = now + random.uniform(0.5, 1.0) * min(1.0, 0.05 * 2 ** st.failures)
         if st.failures in (1, MAX_WRITE_FAILURES) or st.failures % 20 == 0:
-            log.warning("redis refused the output of %s (%d times): %s", st.rid, st.failures, exc)
+            log.warning("redis refused the output of %s (%d times): %s", st.rid, st.failures, exc,
+                        extra=rid_of(st.rid))
         if st.failures >= MAX_WRITE_FAILURES and not st.given_up:
             st.given_up = True
             self.stats["given_up"] += 1
             log.error("giving up on %s after %d refused writes: it ends with output_write_failed", st.rid,
-                      st.failures)
+                      st.failures, extra=rid_of(st.rid))
             self.on_give_up(st)
             st.finish_error(ErrorCode.OUTPUT_WRITE_FAILED,
                             f"Redis refused this request's output {st.failures} times ({exc}); send it again",

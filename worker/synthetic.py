@@ -162,14 +162,15 @@ def main() -> int:
                              "~15-25 µs, bench/engine_host.py); overlapped with the next step's device time")
     args = parser.parse_args()
     from shared.config import get_settings
+    from shared.logs import configure
     from worker.engine_process import start_engine
     from worker.service import WorkerService
     base = get_settings()
     # room for a few steps of every stream, so the output buffers never throttle the pace
     settings = base.model_copy(update={"max_batch": args.max_batch,
                                        "output_buffer_max": max(base.output_buffer_max, 8 * args.max_batch)})
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    print(settings.log_line("synthetic worker"), flush=True)
+    configure("worker")
+    log.info(settings.log_line("synthetic worker"))
     engine = start_engine(functools.partial(SyntheticEngine, max_batch=args.max_batch, step_ms=args.step_ms,
                                             host_us_per_row=args.host_us_per_row), settings)
     service = WorkerService(settings, engine, model_name=f"synthetic-{args.step_ms:g}ms")

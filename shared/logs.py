@@ -1,0 +1,62 @@
+"""One logging set-up for every process (gateway, worker, engine process): LOG_LEVEL, and
+LOG_FORMAT=text (default) or json (one JSON object per line, for Loki/ELK).
+
+Why its own module: a request is followed across processes by its id, so every log line about
+a request carries it in the same field, `rid` (`log.info(..., extra=rid_of(rid))`); the text
+format appends it as ` rid=<id>`, the JSON format makes it a key. JSON lines come from
+python-json-logger (well kept, stdlib `logging` underneath): `ts`, `level`, `logger`,
+`message`, `process` (gateway | worker | engine), `pid`, and `rid` and other extras when given.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from pythonjsonlogger.json import JsonFormatter
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def rid_of(rid: str | None) -> dict:
+    """The `extra` of a log call about request `rid`."""
+    return {"rid": rid} if rid else {}
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        rid = getattr(record, "rid", None)
+        return f"{line} rid={rid}" if rid else line
+
+
+class _ProcessFilter(logging.Filter):
+    def __init__(self, process: str):
+        super().__init__()
+        self.process_name = process
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.service = self.process_name
+        return True
+
+
+def configure(process: str, *, level: str | None = None, fmt: str | None = None, stream=None) -> None:
+    """Set up the root logger for this process (replacing what was there)."""
+    level = (level or os.environ.get("LOG_LEVEL") or "INFO").upper()
+    fmt = (fmt or os.environ.get("LOG_FORMAT") or "text").lower()
+    handler = logging.StreamHandler(stream or sys.stdout)
+    if fmt == "json":
+        # progress bars (transformers loading weights) are not log lines: keep stdout one object a line
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(service)s %(process)d %(message)s",
+                                           rename_fields={"asctime": "ts", "levelname": "level", "name": "logger",
+                                                          "service": "process", "process": "pid"}))
+    else:
+        handler.setFormatter(_TextFormatter(TEXT_FORMAT))
+    handler.addFilter(_ProcessFilter(process))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
