@@ -34,6 +34,7 @@ def done_frame(req: RequestState, now: float) -> Done:
     usage = Usage(
         prompt_tokens=int(usage_in.get("prompt_tokens") or 0),
         completion_tokens=int(usage_in.get("completion_tokens") or 0),
+        cached_tokens=int(usage_in.get("cached_tokens") or 0),
         total_ms=round((now - req.started) * 1000, 3),
         ttft_ms=ttft_ms,
     )

@@ -506,8 +506,10 @@ class OpenAIResponse:
 
 
 def usage_of(done: Done) -> dict:
+    """OpenAI's usage, with its own field for the prompt tokens the prefix cache served."""
     p, c = done.usage.prompt_tokens, done.usage.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens}}
 
 
 class HttpSession(StreamingSession):

@@ -142,6 +142,7 @@ class Usage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0           # of prompt_tokens, those served from the worker's prefix cache
     ttft_ms: float | None = None
     total_ms: float | None = None
 

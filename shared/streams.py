@@ -178,7 +178,8 @@ class RequestEntry:
 # Token event:  {"v":2,"k":"tok","rid","seq":S,"n":N,"ids":[N ids],"text","ep","ms"}: tokens S-N+1..S
 #               (`seq` = tokens delivered so far; `text` may be "" while ids advance).
 # Final events: {"v":2,"k":"done","rid","seq","finish_reason","usage","ep","ms"}
-#               (usage: prompt_tokens, completion_tokens, ttft_ms when a token was produced)
+#               (usage: prompt_tokens, completion_tokens, cached_tokens when the prefix cache
+#               served some, ttft_ms when a token was produced)
 #               {"v":2,"k":"err","rid","seq","code","message","retryable","ep","ms"}; no tokens.
 # Attach marker (inbox only): {"v":2,"k":"att","rid","seq":S|None,"ep","att"}: rid's live events
 #               come to this inbox from now on; everything <= S is in the history (None: this
@@ -197,10 +198,12 @@ def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int) 
 
 
 def encode_done(rid: str, seq: int, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                ep: int, ms: int, *, ttft_ms: int | None = None) -> bytes:
+                ep: int, ms: int, *, ttft_ms: int | None = None, cached_tokens: int = 0) -> bytes:
     """`ttft_ms`: submit (the entry's created_ms) -> first token produced, by the worker's clock:
     what a client that resumes a finished request is told its time to first token was."""
     usage: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    if cached_tokens:
+        usage["cached_tokens"] = cached_tokens
     if ttft_ms is not None:
         usage["ttft_ms"] = max(0, ttft_ms)
     return _pack({"v": EVENT_VERSION, "k": "done", "rid": rid, "seq": seq, "finish_reason": finish_reason,

@@ -45,6 +45,8 @@ class EngineClient(Protocol):
     kv_total: int
     preemptions: int
     steps: int
+    prefix_cache_queries: int   # prompt tokens looked up in the prefix cache (total)
+    prefix_cache_hits: int      # of those, served from it
     unhealthy_reason: str    # why every step fails ("" while the engine can serve)
 
     def start(self, on_output: Callable[[], None]) -> None:

@@ -107,14 +107,16 @@ class InFlight:
                 code = out.error_code or ErrorCode.INTERNAL
                 self.finish_error(code, out.error_message or code.value)
             else:
-                self.finish_done(out.finish_reason or "stop", out.prompt_tokens, out.completion_tokens)
+                self.finish_done(out.finish_reason or "stop", out.prompt_tokens, out.completion_tokens,
+                                 cached_tokens=out.cached_tokens)
 
-    def finish_done(self, reason: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def finish_done(self, reason: str, prompt_tokens: int = 0, completion_tokens: int = 0, *,
+                    cached_tokens: int = 0) -> None:
         self.freeze()
         created = self.entry.created_ms if self.entry else 0
         ttft_ms = self.first_token_ms - created if self.first_token_ms and created else None
         self._freeze_final(encode_done(self.rid, self.seq, reason, prompt_tokens, completion_tokens,
-                                       self.epoch, _now_ms(), ttft_ms=ttft_ms))
+                                       self.epoch, _now_ms(), ttft_ms=ttft_ms, cached_tokens=cached_tokens))
 
     def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None) -> None:
         self.freeze()

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 
 from shared.aio import cancel_and_wait
@@ -43,6 +44,7 @@ from worker.redis_io import REDIS_ERRORS, RedisClients, with_backoff
 log = logging.getLogger("worker.service")
 
 METRICS_PUMP_S = 0.5      # how often the engine's step and cancel records become metrics
+HIT_RATE_LOG_S = 60.0     # how often the prefix cache's hit rate is logged (while it sees traffic)
 
 
 def default_worker_id() -> str:
@@ -86,10 +88,20 @@ class WorkerService:
 
     async def pump_metrics(self) -> None:
         """The engine's step and cancel records into the metrics (also while nobody scrapes:
-        that is what keeps the engine's record lists short)."""
+        that is what keeps the engine's record lists short), and a log line of the prefix
+        cache's hit rate every HIT_RATE_LOG_S while it sees traffic."""
+        logged_at, seen = time.monotonic(), (0, 0)
         while True:
             await asyncio.sleep(METRICS_PUMP_S)
             self.metrics.pump(self.engine.take_telemetry())
+            now = time.monotonic()
+            if now - logged_at >= HIT_RATE_LOG_S:
+                queries, hits = self.engine.prefix_cache_queries, self.engine.prefix_cache_hits
+                if queries > seen[0]:
+                    log.info("prefix cache: %.1f%% of prompt tokens served from the cache in the last %.0f s "
+                             "(%d of %d; %.1f%% since start)", 100 * (hits - seen[1]) / (queries - seen[0]),
+                             now - logged_at, hits - seen[1], queries - seen[0], 100 * hits / queries)
+                logged_at, seen = now, (queries, hits)
 
     async def run(self) -> None:
         stopping = self.lifecycle.stopping
