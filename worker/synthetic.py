@@ -126,6 +126,7 @@ class SyntheticEngine:
         while self._waiting and len(self._running) < self.max_batch:
             req = self._waiting.popleft()
             self._running[req.rid] = [req, len(req.generated_ids)]   # a continuation goes on from there
+        rows = len(self._running)
         for rid, slot in list(self._running.items()):
             req, n = slot
             n = slot[1] = n + 1
@@ -139,7 +140,6 @@ class SyntheticEngine:
             outputs.append(StepOutput(rid, "" if suppressed else text, [] if suppressed else [tid], done,
                                       "length" if done else None, len(req.prompt_ids), n))
         self.steps += 1
-        rows = len(self._running) + sum(1 for o in outputs if o.finished)
         self.last_step = (rows, 0, rows, rows)
         self._report()
         return outputs
