@@ -31,6 +31,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.new_request import RequestStarter
 from gateway.requests import RequestTable
 from gateway.resume import Resumer
+from gateway.router import Router
 from gateway.sender import Sender, WakeEvent
 from gateway.session import Session
 from gateway.sessions import Sessions
@@ -79,7 +80,8 @@ class Hub:
                                    worker_ttl_s=s.worker_ttl_s, cache_ms=s.admission_cache_ms)
         self.bookkeeper = Bookkeeper(self.submitter, grace_s=s.resume_grace_s,
                                      on_cancelled=self.metrics.cancels.labels("orphan").inc)
-        self.starter = RequestStarter(s, self.admission, self.submitter, self.bookkeeper, self.gw_id)
+        self.router = Router(self.redis, self.keys, worker_ttl_s=s.worker_ttl_s, enabled=s.cache_routing)
+        self.starter = RequestStarter(s, self.admission, self.submitter, self.bookkeeper, self.gw_id, self.router)
         self.resumer = Resumer(self.submitter)
         try:
             await self.liveness.beat()
@@ -174,6 +176,8 @@ class Hub:
                     await self.liveness.beat()
                     for parked in (await self.liveness.take_over_dead()).values():
                         self.metrics.taken_over.inc(parked)
+                if self.router.due(now):
+                    await self.router.refresh()
                 if now - last_backlog >= BACKLOG_METRICS_S:
                     last_backlog = now
                     await self._read_backlog_metrics()

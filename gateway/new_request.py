@@ -28,6 +28,7 @@ from gateway.auth import ANONYMOUS, is_anonymous
 from gateway.bookkeeping import Bookkeeper
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
+from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
@@ -49,8 +50,9 @@ class AlreadyStarted(Exception):
 
 class RequestStarter:
     def __init__(self, settings: GatewaySettings, admission: Admission, submitter: Submitter, bookkeeper: Bookkeeper,
-                 gw_id: str):
+                 gw_id: str, router: Router):
         self.s = settings
+        self.router = router
         self.admission = admission
         self.submitter = submitter
         self.bookkeeper = bookkeeper
@@ -86,13 +88,15 @@ class RequestStarter:
             raise
         rid = rid or secrets.token_hex(16)       # 128 random bits: the secret a `resume` must present
         req = requests.open(cid, rid, key_id)    # subscribed before it is queued
+        messages = [m.model_dump() for m in msg.messages] if msg.messages is not None else None
         entry = RequestEntry(
             rid=rid,
             params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
                                   top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop)),
             prompt=msg.prompt,
-            messages=[m.model_dump() for m in msg.messages] if msg.messages is not None else None,
+            messages=messages,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,
+            route=self.router.pick(msg.prompt_cache_key, msg.prompt, messages),
         )
         # leases of this key that ended here but are still queued for release go first
         release = self.bookkeeper.take_releases(key_id)

@@ -119,9 +119,6 @@ IGNORED: dict[str, str] = {
     "store": "this server stores no completions",
     "metadata": "tags for stored completions; nothing is stored",
     "service_tier": "this server has one tier (the `priority` extension picks a lane)",
-    # prompt_cache_key will pick the worker holding the prompt's cache (routing); until then it
-    # is accepted and carried nowhere
-    "prompt_cache_key": "a cache-routing hint; not used for routing yet",
     "prompt_cache_retention": "a cache-retention hint",
     "verbosity": "a style hint to OpenAI's GPT-5 models; the served model has no such control",
     "reasoning_effort": "the served model does not reason",
@@ -311,7 +308,8 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
         max_tokens = body.max_tokens
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
-                        ("seed", body.seed), ("stop", stop), ("priority", body.priority)):
+                        ("seed", body.seed), ("stop", stop), ("priority", body.priority),
+                        ("prompt_cache_key", body.prompt_cache_key)):   # routes it to the worker holding its cache
         if value is not None:
             fields[name] = value
     return body, fields

@@ -29,10 +29,12 @@ class WorkerInfo:
     pid: int
     started_ms: int
     heartbeat_ms: int
+    state: str = "ready"     # ready | draining | unhealthy
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.capacity - self.running - self.waiting)
+        """Room in its running batch (none while it drains or its engine fails)."""
+        return max(0, self.capacity - self.running - self.waiting) if self.state == "ready" else 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ async def live_workers(redis: aioredis.Redis, keys: Keys, worker_ttl_s: float) -
             worker_id=as_str(member), capacity=int(f.get("capacity", 0)), running=int(f.get("running", 0)),
             waiting=int(f.get("waiting", 0)), kv_free=int(f.get("kv_free", 0)), kv_total=int(f.get("kv_total", 0)),
             model=f.get("model", ""), pid=int(f.get("pid", 0)), started_ms=int(f.get("started_ms", 0)),
-            heartbeat_ms=int(score),
+            heartbeat_ms=int(score), state=f.get("state") or "ready",
         ))
     return out
 

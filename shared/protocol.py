@@ -77,6 +77,9 @@ class Generate(_ClientMsg):
     # again because `accepted` was lost with its gateway) attaches to the first request instead
     # of starting another (docs/protocol.md)
     idempotency_key: str | None = Field(None, pattern=IDEMPOTENCY_KEY_PATTERN)
+    # requests with the same key go to the same worker while it has room, so the prompt prefix
+    # they share is in its KV cache (OpenAI's `prompt_cache_key`; docs/protocol.md)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
 
     _id = field_validator("id")(_check_id)
 

@@ -15,7 +15,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
 | p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
 | p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies)            |
-| p:{w:<worker>}:ctl       | stream | {w:id}  | control for one worker: cancel / attach                     |
+| p:{w:<worker>}:ctl       | stream | {w:id}  | control for one worker: cancel / attach / take (routing)    |
 | p:{w:<worker>}:info      | hash   | {w:id}  | a worker's registry details (TTL worker_ttl_s)              |
 | p:{reg}:workers          | zset   | {reg}   | worker id -> last heartbeat ms                              |
 | p:{reg}:gateways         | zset   | {reg}   | gateway id -> last heartbeat ms                             |
@@ -135,10 +135,14 @@ class RequestEntry:
     created_ms: int = 0
     key_id: str = ""
     gw: str = ""         # id of the gateway that submitted it: live events go to its inbox
+    route: str = ""      # the worker whose prefix cache should serve it ("": any; shared.routing)
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
+        fields = asdict(self)
+        if not fields["route"]:
+            del fields["route"]     # what workers older than routing can read
+        return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def decode(cls, raw: bytes) -> "RequestEntry":
@@ -153,7 +157,8 @@ class RequestEntry:
             raise ValueError(f"unsupported entry version {obj.get('v')!r}")
         try:
             params = SamplingParams(**obj.pop("params"))
-            entry = cls(params=params, **obj)
+            # fields a newer gateway adds are ignored, so workers can be upgraded after gateways
+            entry = cls(params=params, **{k: v for k, v in obj.items() if k in _ENTRY_FIELDS})
         except (TypeError, KeyError) as exc:
             raise ValueError(f"malformed entry: {exc}") from None
         if not isinstance(entry.rid, str) or not entry.rid:
@@ -172,6 +177,9 @@ class RequestEntry:
         if not isinstance(p.stop, list) or not all(isinstance(s, str) and s for s in p.stop):
             raise ValueError("bad stop")
         return entry
+
+
+_ENTRY_FIELDS = {f for f in RequestEntry.__dataclass_fields__ if f != "params"}
 
 
 # ---- events (v2) ---------------------------------------------------------------------------
@@ -252,6 +260,12 @@ def history_id(seq: int, final: bool) -> str:
 # ---- control entries (p:{w:id}:ctl, field `d`) ----
 def encode_cancel(rid: str) -> bytes:
     return _pack({"v": EVENT_VERSION, "k": "cancel", "rid": rid})
+
+
+def encode_take(rid: str, entry_id: str, deliveries: int) -> bytes:
+    """Routing: "request entry `entry_id` (of rid) is in your pending list now: run it" (a
+    worker that read an entry routed to this one handed it over; worker.intake)."""
+    return _pack({"v": EVENT_VERSION, "k": "take", "rid": rid, "entry": entry_id, "deliveries": deliveries})
 
 
 def encode_attach(rid: str, gw: str, att: int) -> bytes:

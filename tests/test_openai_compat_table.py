@@ -340,6 +340,17 @@ async def p_conversation_loop(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
+async def p_prompt_cache_key(ctx: Ctx, _=None) -> str:
+    """Accepted and used for routing (tests/test_cache_routing.py shows where requests go); the
+    answer is the same, and a key that is not a string is refused."""
+    assert (await ctx.chat(extra_body={"prompt_cache_key": "conversation-7"})).choices[0].message.content == \
+        ctx.chat_text
+    with pytest.raises(openai.BadRequestError) as info:
+        await ctx.chat(extra_body={"prompt_cache_key": 7})
+    assert info.value.body["param"] == "prompt_cache_key"
+    return "yes"
+
+
 async def p_priority(ctx: Ctx, _=None) -> str:
     assert (await ctx.chat(extra_body={"priority": "batch"})).choices[0].message.content == ctx.chat_text
     with pytest.raises(openai.BadRequestError) as info:
@@ -479,7 +490,7 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "store": param("store", True),
     "metadata": param("metadata", {"app": "compat"}),
     "service_tier": param("service_tier", "auto"),
-    "prompt_cache_key": param("prompt_cache_key", "conversation-7"),
+    "prompt_cache_key": p_prompt_cache_key,
     "prompt_cache_retention": param("prompt_cache_retention", "24h"),
     "verbosity": param("verbosity", "low"),
     "reasoning_effort": param("reasoning_effort", "minimal"),

@@ -4,6 +4,8 @@ Why its own module: a gateway reaches the worker that owns a request only throug
 (the owner is in meta), and each message kind has one handler here.
 
 * cancel: goes straight into the engine inbox, effective at the next step boundary;
+* take (routing): another worker handed us a request entry routed here; it is in our pending
+  list, intake runs it (worker.intake.take_forwarded);
 * attach (a client resumed on gateway `gw`): the request's live events are routed to `gw`'s
   inbox from now on; the writer flushes what it has, then sends the attach marker "everything
   <= S is in history" (worker.output_writer.OutputWriter.attach). For a request this worker
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Awaitable, Callable
 
 import msgpack
 
@@ -30,13 +33,14 @@ BLOCK_MS = 1000
 
 class Control:
     def __init__(self, *, blocking_redis, keys: Keys, worker_id: str, table: InFlightTable, engine: EngineClient,
-                 writer: OutputWriter):
+                 writer: OutputWriter, on_take: Callable[[str, int], Awaitable[None]]):
         self.blocking_redis = blocking_redis     # XREAD ... BLOCK only
         self.keys = keys
         self.worker_id = worker_id
         self.table = table
         self.engine = engine
         self.writer = writer
+        self.on_take = on_take                   # a routed entry handed to us (worker.intake)
 
     async def loop(self) -> None:
         key = self.keys.ctl(self.worker_id)
@@ -70,5 +74,11 @@ class Control:
                 await with_backoff(lambda: self.writer.attach(st, gw, att), "attach")
             else:
                 await with_backoff(lambda: self.writer.attach_unknown(rid, gw, att), "attach")
+        elif kind == "take":
+            entry_id, deliveries = msg.get("entry"), msg.get("deliveries")
+            if isinstance(entry_id, str) and isinstance(deliveries, int):
+                await self.on_take(entry_id, deliveries)
+            else:
+                log.warning("ignoring malformed take %r", msg)
         else:
             log.warning("ignoring control entry of unknown kind %r", kind)

@@ -31,6 +31,7 @@ class Stats:
     handed_back: int = 0   # given back on drain or when the engine failed
     dropped: int = 0       # stopped here because another worker took them over
     yielded: int = 0       # delivered to us, but another worker held them: left to it untouched
+    forwarded: int = 0     # routed to another live worker with room (its cache): handed to it
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

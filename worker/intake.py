@@ -40,7 +40,9 @@ from shared.aio import wait_event
 from shared.config import Settings
 from shared.errors import ErrorCode
 from shared.logs import rid_of
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, META_LEASE, META_OWNER, Keys, RequestEntry, as_str
+from shared.backlog import WorkerInfo, live_workers
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, META_LEASE, META_OWNER, Keys, RequestEntry, as_str,
+                            encode_take)
 from shared.peer_liveness import PeerLiveness, server_run_id
 from worker import consumer_group, failover, registry
 from worker.engine_client import Add, Cancel, EngineClient
@@ -55,6 +57,8 @@ log = logging.getLogger("worker.intake")
 BLOCK_MS = 1000          # XREAD BLOCK of the intake loop (bounds SIGTERM reaction)
 TRIM_EVERY_S = 10.0
 DEAD_CHECK_S = 0.25      # how often the registry is checked for workers whose heartbeat lapsed
+VIEW_REFRESH_S = 1.0     # how often the live peers and their room are read (routing)
+CTL_MAXLEN = 10000       # a worker's control stream (MAXLEN ~)
 MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
 RECHECK_MARGIN_S = 0.05  # a contested entry is looked at again this long after the owner's lease ends
 
@@ -87,6 +91,9 @@ class Intake:
         self.ownership = Ownership(redis, keys, settings, worker_id)
         self.contested: dict[str, Contest] = {}   # entry id -> a request another worker holds
         self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
+        # live peers and their room, for routing (refreshed every VIEW_REFRESH_S)
+        self.view: dict[str, WorkerInfo] = {}
+        self.view_at = 0.0
         # who is dead: not judged while Redis (or this process) was away (shared.peer_liveness)
         self.peers = PeerLiveness(self.settings.worker_ttl_s, what="peer workers")
 
@@ -150,6 +157,8 @@ class Intake:
             try:
                 await with_backoff(self.claim_dead_workers, "claim from dead workers", self.stopping)
                 await self.recheck_contested()
+                if time.monotonic() - self.view_at >= VIEW_REFRESH_S:
+                    await with_backoff(self.refresh_view, "read the worker registry", self.stopping)
                 free = table.free_slots()
                 if free > 0 and self.peers.judging() and time.monotonic() - last_scan >= scan_every:
                     await with_backoff(lambda: self.claim_once(free), "claim", self.stopping)
@@ -161,6 +170,10 @@ class Intake:
                 return
             except ResponseError as exc:
                 log.warning("claim loop: %s", exc)
+
+    async def refresh_view(self) -> None:
+        self.view = {w.worker_id: w for w in await live_workers(self.redis, self.keys, self.settings.worker_ttl_s)}
+        self.view_at = time.monotonic()
 
     async def claim_once(self, count: int) -> None:
         """XAUTOCLAIM up to `count` idle entries, following its cursor: Redis scans at most
@@ -261,6 +274,9 @@ class Intake:
             return
         if entry.rid in self.table.requests:
             return
+        if entry.route and entry.route != self.worker_id and prev is None and await self._forward(entry_id, entry,
+                                                                                                   deliveries):
+            return
         rid = entry.rid
         got = await self._take(entry_id, fields, deliveries, rid, prev, key_id=entry.key_id, gw=entry.gw)
         if got is None:
@@ -301,6 +317,44 @@ class Intake:
                       entry.priority, extra=rid_of(rid))
         self.table.requests[rid] = st
         self.engine.submit(Add(entry, generated_ids=decision.generated_ids))
+
+    async def _forward(self, entry_id: str, entry: RequestEntry, deliveries: int) -> bool:
+        """Routing (shared.routing): the entry names another worker, whose prefix cache holds
+        its prompt. If that worker is live and has room, hand the entry to it (XCLAIM into its
+        pending list, JUSTID so the delivery count stays, and a `take` on its control stream)
+        and write nothing else; True when handed over. Otherwise it runs here: no request
+        waits on a busy or dead worker."""
+        peer = self.view.get(entry.route)
+        if peer is None or peer.free_slots <= 0 or self.stopping():
+            return False
+
+        async def handover():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xclaim(self.keys.requests, CONSUMER_GROUP, entry.route, 0, [entry_id], justid=True)
+                pipe.xadd(self.keys.ctl(entry.route), {ENTRY_FIELD: encode_take(entry.rid, entry_id, deliveries)},
+                          maxlen=CTL_MAXLEN, approximate=True)
+                return await pipe.execute()
+        await with_backoff(handover, "hand a routed entry over")
+        self.stats.forwarded += 1
+        log.debug("request %s routed to worker %s: handed it over", entry.rid, entry.route, extra=rid_of(entry.rid))
+        return True
+
+    async def take_forwarded(self, entry_id: str, deliveries: int) -> None:
+        """Another worker handed us an entry routed here (`take` on our control stream): it is in
+        our pending list; run it unless it moved on meanwhile (acked, or claimed by someone)."""
+        if self.stopping() or self.table.unhealthy:
+            await self.release_entries([entry_id])
+            return
+
+        async def read():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xrange(self.keys.requests, entry_id, entry_id)
+                pipe.xpending_range(self.keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1,
+                                    consumername=self.worker_id)
+                return await pipe.execute()
+        found, mine = await with_backoff(read, "read a routed entry")
+        if found and mine:
+            await self.accept(as_str(found[0][0]), found[0][1], deliveries)
 
     async def _take(self, entry_id: str, fields: dict, deliveries: int, rid: str, prev: Contest | None, *,
                     key_id: str, gw: str = "", whole_history: bool = True) -> Taken | Finished | None:

@@ -215,6 +215,8 @@ class _ScrapeCollector:
         yield _counter("worker_claims", "entries taken over from other workers (dead, handed back)",
                        getattr(stats, "claimed", 0))
         yield _counter("worker_dead_letters", "entries dead-lettered", getattr(stats, "dead", 0))
+        yield _counter("worker_route_forwards", "entries routed to another live worker with room (its prefix "
+                       "cache), handed to it", getattr(stats, "forwarded", 0))
         redis_errors = CounterMetricFamily("worker_redis_errors", "Redis calls that failed, by kind",
                                            labels=["kind"])
         for kind in ("connection", "timeout", "loading", "refused"):

@@ -73,7 +73,7 @@ class WorkerService:
                              worker_id=worker_id, table=table, engine=engine, writer=writer, stats=stats,
                              stop=self.stop)
         self.control = Control(blocking_redis=self.redis.control, keys=keys, worker_id=worker_id, table=table,
-                               engine=engine, writer=writer)
+                               engine=engine, writer=writer, on_take=self.intake.take_forwarded)
         self.lifecycle = Lifecycle(redis=self.redis.main, keys=keys, settings=s, worker_id=worker_id, table=table,
                                    engine=engine, writer=writer, intake=self.intake, stats=stats, stop=self.stop,
                                    model_name=model_name)
