@@ -322,4 +322,4 @@ def test_grafana_provisioning_points_at_the_profiles_prometheus_and_dashboards()
     assert datasource["uid"] == "prometheus" and datasource["type"] == "prometheus"
     assert datasource["url"] == "http://prometheus:9090"
     [provider] = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "llm-stream.yml").read_text())["providers"]
-    assert provider["type"] == "file" and provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert provider["type"] == "file" and provider["options"]["path"] == "/etc/grafana/dashboards"
