@@ -2,7 +2,7 @@
 the compose `observability` profile mounts, runs the rules' unit tests (alerts_test.yml), and
 these tests hold the conventions promtool cannot: every alert carries a severity and the
 summary/description/runbook annotations, every alert is tested firing and quiet, the scrape jobs
-the rules name exist.
+the rules name exist, and docs/operations.md lists every alert.
 
 promtool comes from Debian's `prometheus` package (scripts/setup.sh installs it)."""
 
@@ -117,3 +117,11 @@ def test_alerts_name_only_scrape_jobs_the_config_defines():
             named = value.split("|") if op == "=~" else [value]
             assert set(named) <= jobs, f"{rule['alert']} names job(s) {named}, scrape jobs are {sorted(jobs)}"
 
+
+def test_operations_doc_lists_every_alert():
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    assert "deploy/prometheus/alerts.yml" in doc
+    listed = set(re.findall(r"^\| `(LLM[A-Za-z0-9]+)` \|", doc, flags=re.M))
+    names = {rule["alert"] for rule in alert_rules()}
+    assert names - listed == set(), f"docs/operations.md lacks alerts {sorted(names - listed)}"
+    assert listed - names == set(), f"docs/operations.md lists alerts that do not exist: {sorted(listed - names)}"
