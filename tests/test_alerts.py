@@ -2,9 +2,10 @@
 the compose `observability` profile mounts, runs the rules' unit tests (alerts_test.yml), and
 these tests hold the conventions promtool cannot: every alert carries a severity and the
 summary/description/runbook annotations, every alert is tested firing and quiet, the scrape jobs
-the rules name exist, and docs/operations.md lists every alert.
+the rules name exist, and docs/operations.md lists every alert. Last, the real Prometheus runs
+this config against a real gateway that has an ADMIN_TOKEN.
 
-promtool comes from Debian's `prometheus` package (scripts/setup.sh installs it)."""
+promtool and prometheus come from Debian's `prometheus` package (scripts/setup.sh installs it)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,66 @@ def test_operations_doc_lists_every_alert():
     names = {rule["alert"] for rule in alert_rules()}
     assert names - listed == set(), f"docs/operations.md lacks alerts {sorted(names - listed)}"
     assert listed - names == set(), f"docs/operations.md lists alerts that do not exist: {sorted(listed - names)}"
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (Debian package `prometheus`: scripts/setup.sh)")
+async def test_prometheus_with_this_config_scrapes_a_gateway_with_the_admin_token(redis_server, stream_prefix,
+                                                                                   tmp_path):
+    """The real Prometheus binary on prometheus.yml, its jobs pointed at a real gateway that has an
+    ADMIN_TOKEN (static targets stand in for compose's DNS names): the `gateway` job, reading the
+    token file, scrapes it; the `worker` job, given a wrong token, is refused 401; the rules load."""
+    import asyncio
+    import os
+
+    import httpx
+
+    from shared.localredis import free_port
+    from tests.stack_fixtures import gateway_in_process, gateway_settings
+
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, admin_token="s3cret")) as gw:
+        (tmp_path / "token").write_text("s3cret\n")
+        (tmp_path / "wrong-token").write_text("nope")
+        config = yaml.safe_load(PROM_CONFIG.read_text())
+        config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+        for job in config["scrape_configs"]:
+            if job["job_name"] in ("gateway", "worker"):
+                job.pop("dns_sd_configs")
+                job["static_configs"] = [{"targets": [f"127.0.0.1:{gw.port}"]}]
+                job["authorization"]["credentials_file"] = str(tmp_path / ("token" if job["job_name"] == "gateway"
+                                                                           else "wrong-token"))
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        shutil.copy(ALERTS, tmp_path / "alerts.yml")
+        port = free_port()
+        log = open(tmp_path / "prometheus.log", "w")
+        proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        api = f"http://127.0.0.1:{port}/api/v1"
+        try:
+            async with httpx.AsyncClient(timeout=5) as client:
+                targets: dict[str, dict] = {}
+                for _ in range(300):
+                    assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+                    try:
+                        active = (await client.get(f"{api}/targets")).json()["data"]["activeTargets"]
+                        targets = {t["labels"]["job"]: t for t in active}
+                    except (httpx.HTTPError, ValueError, KeyError):
+                        targets = {}
+                    if all(targets.get(job, {}).get("health") in ("up", "down") for job in ("gateway", "worker")):
+                        break
+                    await asyncio.sleep(0.1)
+                assert targets["gateway"]["health"] == "up", targets["gateway"]
+                assert targets["worker"]["health"] == "down" and "401" in targets["worker"]["lastError"]
+                result = (await client.get(f"{api}/query", params={"query": 'up{job="gateway"}'})).json()
+                assert [r["value"][1] for r in result["data"]["result"]] == ["1"]
+                groups = (await client.get(f"{api}/rules", params={"type": "alert"})).json()["data"]["groups"]
+                assert sum(len(g["rules"]) for g in groups) == len(alert_rules())
+                assert all(r["health"] != "err" for g in groups for r in g["rules"])
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+                proc.wait(timeout=30)
+            log.close()
