@@ -39,10 +39,13 @@ from gateway.socket_caps import SocketCaps, SocketClaim
 from gateway.socket_io import FrameSocket
 from gateway.submit import Submitter
 from shared.aio import cancel_and_wait
+from shared.backlog import read_backlog
 from shared.redis_client import connect
 from shared.streams import Keys
 
 log = logging.getLogger("gateway")
+
+BACKLOG_METRICS_S = 5.0
 
 
 class Hub:
@@ -121,6 +124,15 @@ class Hub:
     async def drain(self, timeout: float = 5.0) -> None:
         await self.sessions.drain(timeout)
 
+    async def _read_backlog_metrics(self) -> None:
+        """The fleet as Redis shows it, for dashboards and alerts (one round trip every
+        BACKLOG_METRICS_S): the backlog admission reads, and the live workers."""
+        backlog = await read_backlog(self.redis, self.keys, self.settings.worker_ttl_s)
+        if backlog.queued is not None:
+            self.metrics.queue_depth.labels("queued").set(backlog.queued)
+        self.metrics.queue_depth.labels("pending").set(backlog.pending)
+        self.metrics.live_workers.set(backlog.live_workers)
+
     # ---- building a session's parts -------------------------------------------------------------
 
     def request_table(self, wake: asyncio.Event) -> RequestTable:
@@ -141,6 +153,7 @@ class Hub:
         s = self.settings
         interval = max(0.05, min(s.sweep_interval_s, 1.0, s.gateway_heartbeat_s))
         last_refresh = last_beat = time.monotonic()
+        last_backlog = 0.0
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
@@ -161,6 +174,9 @@ class Hub:
                     await self.liveness.beat()
                     for parked in (await self.liveness.take_over_dead()).values():
                         self.metrics.taken_over.inc(parked)
+                if now - last_backlog >= BACKLOG_METRICS_S:
+                    last_backlog = now
+                    await self._read_backlog_metrics()
                 cancelled = await self.submitter.sweep_orphans()
                 if cancelled:
                     self.metrics.cancels.labels("orphan").inc(len(cancelled))

@@ -48,6 +48,11 @@ class GatewayMetrics:
                                                            "REQUEST_STALL_S", registry=r)
         self.stale_events = Counter("gateway_stale_events_dropped", "live events dropped because a newer worker "
                                                                     "run (epoch) of their request exists", registry=r)
+        self.queue_depth = Gauge("gateway_queue_depth", "the request backlog as this replica last read it from "
+                                 "Redis: queued (not yet read by a worker) and pending (read, not finished)",
+                                 ["state"], registry=r)
+        self.live_workers = Gauge("gateway_live_workers", "workers whose registry heartbeat is younger than "
+                                  "WORKER_TTL_S, as this replica last read it", registry=r)
         self.taken_over = Counter("gateway_orphans_taken_over", "requests of dead gateways this replica parked "
                                                                 "for resume", registry=r)
 

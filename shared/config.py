@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(True, description="CUDA: replay decode-only steps as captured CUDA graphs "
                                                 "(captured at start-up for a ladder of batch sizes)")
     kv_block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the paging unit)")
+    prefix_caching: bool = Field(True, description="reuse the KV blocks of earlier requests' identical prompt "
+                                                   "prefixes (kept in free KV blocks, no extra memory)")
     prefill_chunk: int = Field(0, ge=0, description="prompt tokens processed per step (chunked prefill); "
                                                     "0 = 256 on CPU, 8192 on CUDA")
     lane_aging_steps: int = Field(256, description="a batch request that waited this many engine steps is served "

@@ -52,7 +52,9 @@ def check_kernel(device, dtype) -> None:
     """The kernel against `reference` on fresh random inputs: grouped and plain heads, head sizes
     16/64/128, block sizes 8/16, windows, a step of decode rows (lengths from 1 to several tiles)
     and two prompt chunks (consecutive lengths over one table), a strided query (a view of a
-    fused qkv), shuffled block tables. Every output element is written (poisoned first)."""
+    fused qkv), shuffled block tables in which half the requests start with the same blocks as
+    the first one (prefix-cache hits: tables pointing at shared blocks). Every output element
+    is written (poisoned first)."""
     import torch
     from worker.engine.paged_attention import paged_attention
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -68,6 +70,8 @@ def check_kernel(device, dtype) -> None:
         width = -(-int(lengths.max()) // block_size)
         tables = torch.stack([torch.randperm(blocks, generator=generator)[:width]
                               for _ in range(len(decode_lengths) + len(chunks))]).to(torch.int32)
+        shared = width // 2   # every other request, the first chunk's included, shares row 0's first blocks
+        tables[1::2, :shared] = tables[0, :shared]
         key_pool = torch.randn(blocks * block_size, kv_heads, dim, generator=generator).to(dtype)
         value_pool = torch.randn(blocks * block_size, kv_heads, dim, generator=generator).to(dtype)
         qkv = torch.randn(len(lengths), heads + 2 * kv_heads, dim, generator=generator).to(dtype)
@@ -106,6 +110,23 @@ def check_engine(device) -> None:
             for i, ref in enumerate(refs):
                 assert outs[f"r{i}"] == ref, (name, graphs, i, outs[f"r{i}"], ref)
             print(f"engine {name} fp32 graphs={graphs}: equals generate on {len(prompts)} prompts")
+
+
+def check_prefix_engine(device) -> None:
+    """On the kernel path, fp32, prefix caching on (a roomy pool and one that preempts) and off:
+    requests whose block tables start with blocks other requests computed (shared 0, 1, many, all
+    but the last token's), one cancelled mid-prefill, a continuation hitting generated blocks:
+    each equals `generate` (`engine_families.assert_prefix_caching_exact`); on CUDA, graphs off and on."""
+    import torch
+    from tests.engine_families import FAMILIES, assert_prefix_caching_exact
+    graph_modes = (False, True) if device == "cuda" else (False,)
+    # the interpreter is slow: there one family, with a windowed and a full-attention layer
+    for name in ("llama", "qwen2-window") if device == "cuda" else ("qwen2-window",):
+        for graphs in graph_modes:
+            torch.manual_seed(0)
+            model = FAMILIES[name]().eval().to(device)
+            assert_prefix_caching_exact(model, 12, name, device=device, dtype=torch.float32, cuda_graphs=graphs)
+            print(f"prefix cache {name} fp32 graphs={graphs}: equals generate, cache on and off")
 
 
 def check_graphs_bf16() -> None:
@@ -169,6 +190,7 @@ def main() -> None:
     if device == "cuda":
         check_kernel(device, torch.bfloat16)
     check_engine(device)
+    check_prefix_engine(device)
     if device == "cuda":
         check_graphs_bf16()
         check_kv_sizing()

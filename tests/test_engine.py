@@ -554,7 +554,8 @@ def test_prefill_chunks_go_to_the_interactive_lane_first(model, tokenizer):
     engine.add(EngineRequest("batch", long_prompt, greedy(2), priority="batch"))
     engine.step()
     assert engine._by_rid["batch"].computed == 16
-    engine.add(EngineRequest("chat", long_prompt, greedy(2), priority="interactive"))
+    # a prompt of its own: an identical one would take batch's computed block from the prefix cache
+    engine.add(EngineRequest("chat", ids(tokenizer, "Chat. " + PROMPTS[1] * 4), greedy(2), priority="interactive"))
     progress = _prefilled_per_step(engine, ["batch", "chat"], 3)
     assert all(p["chat"] == 16 and p["batch"] == 0 for p in progress)
 
@@ -564,8 +565,9 @@ def test_aging_keeps_batch_prefill_moving_under_interactive_load(model, tokenize
     engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=1024, prefill_chunk=16,
                                                    lane_aging_steps=3))
     engine.add(EngineRequest("batch", long_prompt, greedy(2), priority="batch"))
-    for i in range(3):
-        engine.add(EngineRequest(f"chat{i}", long_prompt, greedy(2), priority="interactive"))
+    for i in range(3):   # prompts of their own: identical ones would share blocks through the prefix cache
+        engine.add(EngineRequest(f"chat{i}", ids(tokenizer, f"Chat {i}. " + PROMPTS[1] * 6), greedy(2),
+                                 priority="interactive"))
     progress = _prefilled_per_step(engine, ["batch"], 12)
     got = [p.get("batch", 0) for p in progress]
     assert got.count(16) >= 2, got  # served every aging_steps + 1 steps while interactive prefills

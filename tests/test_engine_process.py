@@ -175,3 +175,22 @@ def test_the_engine_process_dies_with_its_worker(tmp_path):
     finally:
         owner.kill()
 
+
+
+def test_finals_and_load_figures_carry_the_prefix_cache_figures_across_the_pipe():
+    """A final's cached prompt tokens and the engine's hit-rate totals reach the parent."""
+    import msgpack
+
+    from shared.errors import ErrorCode
+    from worker.engine import StepOutput
+    from worker.engine_process import _pack_output, _status, _unpack_output
+    final = StepOutput("r", "x", [5], True, "length", 40, 3, None, None, 123, cached_tokens=32)
+    error = StepOutput("e", "", [], True, "error", 9, 0, ErrorCode.INTERNAL, "boom", 124)
+    token = StepOutput("t", "y", [6], False, None, 40, 1, None, None, 125)
+    for out in (final, error, token):
+        assert _unpack_output(msgpack.unpackb(msgpack.packb(_pack_output(out)))) == out
+    thread = EngineThread(synthetic()(), max_prompt_tokens=100, buffer_max=16)
+    thread.prefix_cache_queries, thread.prefix_cache_hits = 1000, 640
+    proc = EngineProcess(synthetic(), max_prompt_tokens=100, buffer_max=16)
+    proc._apply_status(msgpack.unpackb(msgpack.packb(_status(thread))))
+    assert (proc.prefix_cache_queries, proc.prefix_cache_hits) == (1000, 640)

@@ -5,6 +5,9 @@ they lose nothing the file had and the CPU runs them fast."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -22,6 +25,8 @@ from worker.model_files import SMOLLM2_GGUF, smollm2_dir
 
 # head_dim 32 and 2 KV heads: k/v projections of 64 rows, one block of the kernel's packing
 SHAPE = dict(COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def q4_1_weight(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
@@ -186,25 +191,50 @@ def test_auto_runs_a_q4_1_gguf_in_4_bits_only_on_a_cpu_with_native_bf16(tmp_path
 
 
 @pytest.mark.slow
-def test_smollm2_in_4_bits_answers_like_float32_and_the_engine_like_generate():
-    """The real model: its Q4_1 projections loaded as 4-bit weights. Its greedy answer to a short
-    question is float32's, and the engine gives generate's tokens for it."""
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    answers = {}
+def test_smollm2_in_4_bits_stays_close_to_float32_and_the_engine_equals_generate():
+    """The real model: its Q4_1 projections loaded as 4-bit weights. Teacher-forced on this
+    repository's docs, its next-token choice agrees with float32's almost everywhere and its
+    distributions barely move (llama.cpp's yardstick; bench/quality.py measures more), and the
+    engine gives generate's tokens on the 4-bit model. (Not "the same greedy answer as float32":
+    one flip at a near tie changes the rest of an answer, and where the ties fall depends on the
+    CPU's bf16 kernels: an AMX Xeon answers this test's question differently from an EPYC.)"""
+    text = (ROOT / "docs" / "failover.md").read_text()[:3000]
+    logits = {}
     for quantization in ("none", "int4"):
         model, tok = load_model(Settings(model_path="", device="cpu", quantization=quantization))
-        prompt = build_prompt_ids(tok, None, chat)
+        ids = tok(text, return_tensors="pt").input_ids[:, :512]
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                 pad_token_id=tok.eos_token_id)
-        answers[quantization] = out[0, len(prompt):].tolist()
+            logits[quantization] = model(ids).logits[0].float()
     assert model.dtype == torch.bfloat16 and type(model.model.layers[0].mlp.up_proj) is Int4Linear
-    assert answers["int4"] == answers["none"]
-    assert tok.decode(answers["int4"], skip_special_tokens=True).strip() == "The capital of France is Paris."
+    ref, q4 = logits["none"], logits["int4"]
+    agree = (q4.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(q4.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1).mean().item()
+    assert agree >= 0.93 and kl < 0.01, (agree, kl)       # measured: 0.97, 0.0015 (EPYC and Xeon alike)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = build_prompt_ids(tok, None, chat)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+    expected = out.sequences[0, len(prompt):].tolist()
     engine = Engine(model, tok, EngineConfig(max_batch=2, max_seq_len=128, prefill_chunk=8, dtype=torch.bfloat16))
     engine.add(EngineRequest("q", prompt, SamplingParams(max_tokens=12, temperature=0.0)))
     tokens = []
     while engine.has_work:
         for o in engine.step():
             tokens.extend(o.token_ids)
-    assert tokens == answers["int4"][:len(tokens)] and tokens[-1] in engine.eos_ids
+    # bf16 activations: the engine's chunked prefill and generate's one pass round differently,
+    # so they may part at an exact tie (on an AMX Xeon this very question's first token: 25.125
+    # vs 25.0, one bf16 step apart); anywhere else they must agree
+    for i, (got, want) in enumerate(zip(tokens, expected)):
+        if got != want:
+            (first, second), (best, runner_up) = out.scores[i][0].float().topk(2)
+            assert got == runner_up and first - second <= 2 * bf16_step(first.item()), (i, got, want, first, second)
+            break
+    else:
+        assert tokens and (len(tokens) == len(expected) or tokens[-1] in engine.eos_ids)
+
+
+def bf16_step(value: float) -> float:
+    """The spacing of bfloat16 numbers around `value` (8 bits of mantissa)."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7) if value else 2.0 ** -133

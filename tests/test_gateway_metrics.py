@@ -73,6 +73,8 @@ async def test_request_cancel_resume_and_close_metrics(redis_server, metrics_sta
                     if line.startswith("data: {"):
                         break
         assert await eventually(lambda: value(gw, "gateway_cancels_total", origin="http_disconnect") == 1)
+        assert await eventually(lambda: value(gw, "gateway_live_workers") == 1, timeout=10)
+        assert value(gw, "gateway_queue_depth", state="queued") == 0
         text = (await asyncio.to_thread(lambda: httpx.get(gw.base + "/metrics").text))
         for name in ("gateway_cancels_total", "gateway_socket_closes_total", "gateway_resumes_total",
                      "gateway_time_to_first_meaningful_token_seconds_bucket", "gateway_time_to_last_token_seconds_bucket"):

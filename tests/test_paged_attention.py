@@ -21,17 +21,19 @@ def test_paged_attention_on_cuda():
     checks.check_kernel("cuda", torch.float32)
     checks.check_kernel("cuda", torch.bfloat16)
     checks.check_engine("cuda")
+    checks.check_prefix_engine("cuda")
     checks.check_graphs_bf16()
     checks.check_kv_sizing()
 
 
 def test_paged_attention_in_triton_interpreter():
     """Kernel against a float64 reference; engine on the kernel path equals generate for every
-    family with its own attention quirks (GQA, windows, q/k norms)."""
+    family with its own attention quirks (GQA, windows, q/k norms), prefix caching included."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(HERE / "paged_attention_checks.py")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "paged attention checks passed" in proc.stdout
-    assert proc.stdout.count("equals generate") == 4
+    assert proc.stdout.count("equals generate on") == 4
+    assert proc.stdout.count("prefix cache") == 1

@@ -54,22 +54,24 @@ class EngineStartFailed(RuntimeError):
 # ---- wire format (positional msgpack lists) ------------------------------------------------
 
 def _pack_output(o: StepOutput) -> list:
-    """A token output in 6 fields; finals and errors in all 10."""
+    """A token output in 6 fields; finals and errors in all 11."""
     if not o.finished and o.error_code is None:
         return [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms]
     return [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms,
-            o.finished, o.finish_reason, o.error_code.value if o.error_code is not None else None, o.error_message]
+            o.finished, o.finish_reason, o.error_code.value if o.error_code is not None else None, o.error_message,
+            o.cached_tokens]
 
 
 def _unpack_output(f: list) -> StepOutput:
     if len(f) == 6:
         return StepOutput(f[0], f[1], list(f[2]), False, None, f[3], f[4], None, None, f[5])
     return StepOutput(f[0], f[1], list(f[2]), f[6], f[7], f[3], f[4], ErrorCode(f[8]) if f[8] is not None else None,
-                      f[9], f[5])
+                      f[9], f[5], f[10])
 
 
 def _status(t: EngineThread) -> list:
-    return [t.running, t.waiting, t.kv_used, t.preemptions, t.steps, t.failed_steps, t.unhealthy_reason]
+    return [t.running, t.waiting, t.kv_used, t.preemptions, t.steps, t.failed_steps, t.unhealthy_reason,
+            t.prefix_cache_queries, t.prefix_cache_hits]
 
 
 def build_model_engine(settings) -> object:
@@ -111,6 +113,7 @@ class EngineProcess:
         self._stopping = False
         self.running = self.waiting = self.kv_used = self.kv_total = 0
         self.preemptions = self.steps = self.failed_steps = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.unhealthy_reason = ""
 
     def launch(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -223,7 +226,7 @@ class EngineProcess:
 
     def _apply_status(self, s: list) -> None:
         (self.running, self.waiting, self.kv_used, self.preemptions, self.steps, self.failed_steps,
-         self.unhealthy_reason) = s
+         self.unhealthy_reason, self.prefix_cache_queries, self.prefix_cache_hits) = s
 
 
 # ---- the child's side ----------------------------------------------------------------------

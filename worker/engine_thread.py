@@ -57,6 +57,9 @@ class EngineThread:
         self.kv_used = 0
         self.kv_total = engine.kv_tokens_total
         self.preemptions = 0
+        # prefix cache hit rate (context tokens of admitted requests / of those taken from the cache)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         # health: consecutive steps whose every output was an internal error (a poisoned CUDA
         # context fails every forward pass; the engine catches that and fails the step's
         # requests, so the thread itself stays alive and only its outputs tell)
@@ -126,6 +129,8 @@ class EngineThread:
             self.running, self.waiting = self.engine.num_running, self.engine.num_waiting
             self.kv_used = self.engine.kv_tokens_used
             self.preemptions = self.engine.preemptions
+            self.prefix_cache_queries = getattr(self.engine, "prefix_cache_queries", 0)   # 0: the synthetic engine
+            self.prefix_cache_hits = getattr(self.engine, "prefix_cache_hits", 0)
             if produced:
                 with self._cond:
                     self._outputs.append(produced)

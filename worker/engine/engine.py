@@ -10,6 +10,15 @@ what each request produced. Every request the engine holds ends with exactly one
 whatever raises: a failed forward pass fails the requests in it, a failure while handling one
 request's token fails that request only. The engine is single-threaded by design: its owner
 calls add/cancel/step from one thread.
+
+Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py, scheduler.py): KV
+blocks of earlier requests' contexts stay in the pool after they end and a request whose context
+starts the same way takes them instead of computing them. Each output reports the prompt tokens
+its request took from the cache (`StepOutput.cached_tokens`), and the engine keeps the hit rate
+(`prefix_cache_queries` / `prefix_cache_hits`). It is exact for every family the engine accepts,
+sliding windows included: a block's KV depends only on the tokens up to it, and the engine keeps
+every block of a context (a window only masks what attention reads), so a shared block holds
+what the request would have computed itself.
 """
 
 from __future__ import annotations
@@ -21,10 +30,12 @@ import torch
 
 from shared.errors import ErrorCode
 from worker.engine import attention
+from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.model_support import check_supported
+from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner
 from worker.engine.sampling import make_generator, skip
 from worker.engine.scheduler import Scheduler, StepPlan
@@ -63,7 +74,15 @@ class Engine:
                              f"{config.device}/{config.dtype}")
         self.cache = PagedKVCache(layers=layers, num_blocks=kv_blocks(config, layers, kv_heads, head_dim),
                                   block_size=config.kv_block_size,
-                                  kv_heads=kv_heads, head_dim=head_dim, dtype=config.dtype, device=config.device)
+                                  kv_heads=kv_heads, head_dim=head_dim, dtype=config.dtype, device=config.device,
+                                  prefix_caching=config.prefix_caching)
+        # the root of every request's block names: what makes KV differ for the same token ids
+        quantized = any(isinstance(m, Int4Linear) for m in model.modules())
+        self._cache_root = prefix_root(getattr(model.config, "_name_or_path", ""), str(config.dtype),
+                                       "int4" if quantized else "none", config.kv_block_size)
+        if config.prefix_caching:
+            log.info("prefix caching on: %d KV blocks of %d tokens, cached blocks reused for new tokens "
+                     "least recently used first", self.cache.num_blocks, config.kv_block_size)
         self.scheduler = Scheduler(self.cache, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
@@ -114,9 +133,25 @@ class Engine:
         return self.cache.tokens_used
 
     @property
+    def kv_tokens_cached(self) -> int:
+        """Tokens of the pool that no request holds but that keep a cached prefix (they count
+        as free: new tokens evict them when no plain free block is left)."""
+        return self.cache.tokens_cached
+
+    @property
     def preemptions(self) -> int:
         """Requests sent back to recompute because the KV pool ran out (total)."""
         return self.scheduler.preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Context tokens of requests admitted for the first time (total): the hit rate's denominator."""
+        return self.scheduler.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of `prefix_cache_queries`, the tokens taken from the prefix cache instead of computed (total)."""
+        return self.scheduler.prefix_hits
 
     def add(self, req: EngineRequest) -> None:
         """Queue a request, or raise EngineRejected if it can never run."""
@@ -146,7 +181,8 @@ class Engine:
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
         seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals,
-                       tokens=context)
+                       tokens=context, cache_root=prefix_root(self._cache_root, req.cache_salt)
+                       if req.cache_salt else self._cache_root)
         self._arrivals += 1
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
@@ -197,6 +233,8 @@ class Engine:
             seq.computed += 1
         for seq, n in plan.prefill:
             seq.computed += n
+        if self.scheduler.caching:
+            self.scheduler.cache_computed(plan)
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
         for seq, token in zip(plan.sampled, tokens):
@@ -241,7 +279,8 @@ class Engine:
             if reason is None:
                 return None
             text, ids = "", []
-        return StepOutput(seq.rid, text, ids, reason is not None, reason, seq.prompt_len, n, None, None, now_ms)
+        return StepOutput(seq.rid, text, ids, reason is not None, reason, seq.prompt_len, n, None, None, now_ms,
+                          0 if reason is None else min(seq.cached_tokens, seq.prompt_len))
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
@@ -263,4 +302,4 @@ class Engine:
                message: str | None = None) -> StepOutput:
         return StepOutput(rid=seq.rid, text=text, token_ids=[], finished=True, finish_reason=reason,
                           prompt_tokens=seq.prompt_len, completion_tokens=seq.completion_tokens,
-                          error_code=code, error_message=message)
+                          error_code=code, error_message=message, cached_tokens=min(seq.cached_tokens, seq.prompt_len))

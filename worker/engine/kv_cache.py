@@ -9,16 +9,17 @@ therefore allocated once, at start-up, for `num_blocks` blocks, and used in prop
 tokens requests really hold (no request owns `max_seq_len` rows it may never fill), which lets
 the scheduler admit optimistically and preempt when the pool runs out.
 
-Free blocks are handed out lowest first (a heap), which keeps a request's blocks mostly in
-ascending order and the pool's used part compact.
+Which block is free, held or cached for a prefix is the `BlockPool`'s business (`pool`,
+block_pool.py); this module is the memory.
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import TYPE_CHECKING
 
 import torch
+
+from worker.engine.block_pool import BlockPool
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
@@ -70,7 +71,7 @@ def kv_blocks(config: "EngineConfig", layers: int, kv_heads: int, head_dim: int)
 
 class PagedKVCache:
     def __init__(self, *, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str):
+                 dtype: torch.dtype, device: str, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         # One block more than requests can take: the scratch block, where the padding rows of a
@@ -90,12 +91,12 @@ class PagedKVCache:
         # grow to the largest gather seen, at most the pool of one layer.
         self.gathered_keys = torch.empty(0, block_size * kv_heads * head_dim, dtype=dtype, device=device)
         self.gathered_values = torch.empty(0, block_size * kv_heads * head_dim, dtype=dtype, device=device)
-        self._free = list(range(num_blocks))
-        heapq.heapify(self._free)
+        self.pool = BlockPool(num_blocks, prefix_caching)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request may take (free, or cached for a prefix nobody holds)."""
+        return self.pool.num_free
 
     @property
     def tokens_total(self) -> int:
@@ -104,19 +105,12 @@ class PagedKVCache:
     @property
     def tokens_used(self) -> int:
         """Token rows held by requests (whole blocks)."""
-        return (self.num_blocks - len(self._free)) * self.block_size
+        return self.pool.num_used * self.block_size
 
-    def allocate(self, n: int) -> list[int]:
-        """`n` free blocks, lowest first; the caller checks `num_free` first."""
-        if n > len(self._free):
-            raise RuntimeError(f"KV cache: {n} blocks asked, {len(self._free)} free")
-        return [heapq.heappop(self._free) for _ in range(n)]
-
-    def release(self, blocks: list[int]) -> None:
-        """Return blocks. Their stale contents are never read unmasked: attention only looks at
-        positions below each request's current length, and a new owner writes before it reads."""
-        for block in blocks:
-            heapq.heappush(self._free, block)
+    @property
+    def tokens_cached(self) -> int:
+        """Token rows of blocks nobody holds that keep a cached prefix (free for new tokens too)."""
+        return self.pool.num_cached * self.block_size
 
     def reserve_gather(self, blocks: int) -> None:
         """Make the gather workspaces hold at least `blocks` blocks (called once per step)."""

@@ -35,6 +35,14 @@ class Sequence:
     # running, so a step writes just the new ones.
     slot: int = -1
     staged_blocks: int = 0
+    # Prefix caching (block_pool.py): the names of the context's leading full blocks (computed
+    # once each, as they are looked up or fill), the chain's root (model and salt), how many of
+    # `blocks` are named in the pool (taken from the cache or published once computed), and the
+    # context tokens its first pass took from the cache instead of computing them.
+    cache_root: bytes = b""
+    block_names: list[bytes] = field(default_factory=list)
+    published: int = 0
+    cached_tokens: int = 0
     # Copied from the request once: read for every row of every step (plain attributes, not
     # properties over `req`, because at a few hundred rows per step each lookup is host time).
     rid: str = field(init=False)

@@ -29,6 +29,9 @@ class EngineRequest:
     # and are not emitted again: only new tokens come out.
     generated_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # EOS ids are masked out of sampling (benchmarks: forced lengths)
+    # Prefix caching: requests share cached KV blocks only with requests of the same salt (e.g.
+    # one per tenant, so no tenant can tell from its latency what another one sent)
+    cache_salt: str = ""
 
 
 class EngineRejected(Exception):
@@ -53,3 +56,6 @@ class StepOutput:
     error_message: str | None = None
     # wall clock (ms) when the step produced this output: outputs may reach Redis later, batched
     emitted_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    # final outputs: the prompt tokens whose KV came from the prefix cache instead of being
+    # computed (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    cached_tokens: int = 0
