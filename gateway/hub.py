@@ -130,8 +130,8 @@ class Hub:
         """The fleet as Redis shows it, for dashboards and alerts (one round trip every
         BACKLOG_METRICS_S): the backlog admission reads, and the live workers."""
         backlog = await read_backlog(self.redis, self.keys, self.settings.worker_ttl_s)
-        if backlog.queued is not None:
-            self.metrics.queue_depth.labels("queued").set(backlog.queued)
+        # unknown (Redis cannot compute the group's lag): NaN, not a stale figure
+        self.metrics.queue_depth.labels("queued").set(float("nan") if backlog.queued is None else backlog.queued)
         self.metrics.queue_depth.labels("pending").set(backlog.pending)
         self.metrics.live_workers.set(backlog.live_workers)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.process_collector import ProcessCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
@@ -13,6 +14,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)      # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.active_sockets = Gauge("gateway_active_sockets", "open WebSocket connections", registry=r)
         self.active_requests = Gauge("gateway_active_requests", "requests streaming on this replica", registry=r)
         self.requests = Counter("gateway_requests", "finished requests by outcome", ["outcome"], registry=r)

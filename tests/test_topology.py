@@ -108,7 +108,7 @@ def stack(tmp_path_factory, tiny_model_dir):
         proc = subprocess.Popen(
             [sys.executable, str(STACK), "--gateways", "2", "--workers", "2", "--proxy", "--gateway-port", "0",
              "--proxy-port", "0", "--run-dir", str(run_dir), "--state-file", str(state_file), "--grace", "30",
-             "--ready-timeout", "150"],
+             "--ready-timeout", "150", "--worker-metrics-port", "-1"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
     while not state_file.exists():
