@@ -1,8 +1,8 @@
-"""Continuous-batching inference engine (paged KV cache with recompute preemption, chunked prefill, two lanes with aging).
+"""Continuous-batching inference engine (paged KV cache with recompute preemption and prefix caching, chunked prefill, two lanes with aging).
 
 Modules: `engine` (public API, per-request updates), `scheduler` (what runs each step),
 `runner` (one forward pass + sampling), `decoder` (the forward loop over the model's own modules, fused projections), `attention` (paged attention plugged into transformers), `paged_attention` (the CUDA kernel: every token reads its blocks in place), `cuda_graphs` (decode steps replayed as graphs),
-`kv_cache`, `sampling`, `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
+`kv_cache`, `block_pool` (who holds which block; prefix caching), `sampling`, `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
 models are accepted), `host_lists` (per-row lists to tensors), `config`, `loading`.
 
 The worker owns one `Engine` in a dedicated thread (of its engine process, worker.engine_process): `add`/`cancel` between steps, `step()` in a
