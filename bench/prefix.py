@@ -20,6 +20,12 @@ Methods:
   llamacpp     - a running llama-server (--llamacpp-url), streaming /completion with
                  cache_prompt true, fed the same kind of token ids (one thread per client);
                  build and start it as bench/RESULTS.md says
+  stack-1 / stack-2-routed / stack-2-unrouted - the whole service: a fresh Redis, 1 or 2
+                 `python -m worker` processes (the same model, one torch thread each) and a
+                 gateway with CACHE_ROUTING on or off; each client sends the same messages over
+                 the WebSocket protocol. TTFT = `generate` sent -> first chunk received; prompt
+                 tokens computed and the hit rate come from `done.usage.cached_tokens`. Answers
+                 end at EOS or max_tokens (the protocol cannot force lengths).
 
 Every run's prompts start with a fresh tag, so no run hits what an earlier one left in a cache
 (llama.cpp's slots keep prompts between runs). Greedy decoding everywhere.
@@ -122,20 +128,28 @@ class Session:
     idx: int
     build: Callable[[list[str]], list[int] | None]   # answers so far -> next prompt (None: done)
     answers: list[str] = field(default_factory=list)
+    # the same turn as chat messages (the stack methods send these; the worker renders them)
+    build_messages: Callable[[list[str]], list[dict] | None] | None = None
 
     def next_prompt(self) -> list[int] | None:
         return self.build(self.answers)
+
+    def next_messages(self) -> list[dict] | None:
+        return self.build_messages(self.answers)
 
 
 def system_sessions(tok, args, concurrent: bool) -> list[Session]:
     system = f"[{uuid.uuid4().hex[:8]}] You are a careful assistant. " + fit(
         tok, " ".join(f"Rule: {r}" for r in RULES), args.system_tokens)
-    prompts = [build_prompt_ids(tok, None, [{"role": "system", "content": system},
-                                            {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-               for i in range(args.requests)]
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+             for i in range(args.requests)]
+    prompts = [build_prompt_ids(tok, None, m) for m in chats]
     if concurrent:
-        return [Session(i, lambda answers, p=p: None if answers else p) for i, p in enumerate(prompts)]
-    return [Session(0, lambda answers: prompts[len(answers)] if len(answers) < len(prompts) else None)]
+        return [Session(i, lambda answers, p=p: None if answers else p,
+                        build_messages=lambda answers, m=m: None if answers else m)
+                for i, (p, m) in enumerate(zip(prompts, chats))]
+    return [Session(0, lambda answers: prompts[len(answers)] if len(answers) < len(prompts) else None,
+                    build_messages=lambda answers: chats[len(answers)] if len(answers) < len(chats) else None)]
 
 
 def chat_sessions(tok, args) -> list[Session]:
@@ -150,15 +164,19 @@ def chat_sessions(tok, args) -> list[Session]:
                           f"and clear in your answer.", args.user_tokens)
                  for k in range(args.turns)]
 
-        def build(answers: list[str], users=users) -> list[int] | None:
+        def build_messages(answers: list[str], users=users) -> list[dict] | None:
             k = len(answers)
             if k == len(users):
                 return None
             messages = []
             for j in range(k):
                 messages += [{"role": "user", "content": users[j]}, {"role": "assistant", "content": answers[j]}]
-            return build_prompt_ids(tok, None, messages + [{"role": "user", "content": users[k]}])
-        sessions.append(Session(c, build))
+            return messages + [{"role": "user", "content": users[k]}]
+
+        def build(answers: list[str], build_messages=build_messages) -> list[int] | None:
+            messages = build_messages(answers)
+            return None if messages is None else build_prompt_ids(tok, None, messages)
+        sessions.append(Session(c, build, build_messages=build_messages))
     return sessions
 
 
@@ -253,12 +271,80 @@ def run_llamacpp(url: str, sessions: list[Session], max_tokens: int, ignore_eos:
     return done, {}
 
 
+def run_stack(method: str, sessions: list[Session], max_tokens: int, args) -> tuple[list[Turn], dict]:
+    """The whole service (see the module docstring): a fresh Redis, workers, a gateway."""
+    import asyncio
+    import tempfile
+
+    from shared.localredis import LocalRedis
+    from tests.gateway_client import GatewayClient
+    from tests.stack_fixtures import _env, spawn, start_gateway, wait_for_worker
+
+    workers = 1 if method == "stack-1" else 2
+    routing = method != "stack-2-unrouted"
+    logs = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+    redis = LocalRedis().start()
+    prefix = f"bp{uuid.uuid4().hex[:6]}"
+    env = {"TORCH_THREADS": "1", "MAX_BATCH": "16", "QUANTIZATION": args.quantization, "DEVICE": "cpu",
+           **({"MODEL_PATH": args.model_path} if args.model_path else {})}
+    procs = [spawn("worker", _env(redis.url, prefix, {**env, "WORKER_ID": f"bench-w{i}"}), logs, f"w{i}")
+             for i in range(workers)]
+    done: list[Turn] = []
+    try:
+        for p in procs:
+            wait_for_worker(redis.url, prefix, p, count=workers, timeout=300)
+        gateway, base = start_gateway(redis.url, prefix, logs, env={"CACHE_ROUTING": str(routing).lower(),
+                                                                     "HEARTBEAT_S": "0", "MAX_TOKENS_CAP": "4096"})
+        url = base.replace("http", "ws") + "/v1/stream"
+        totals = {"prompt": 0, "cached": 0}
+
+        async def client(session: Session) -> None:
+            c = await GatewayClient.connect(url)
+            while (messages := session.next_messages()) is not None:
+                turn = Turn(session.idx, len(session.answers), [], submit=time.perf_counter())
+                cid = f"t{turn.turn}"
+                await c.send(type="generate", id=cid, messages=messages, max_tokens=max_tokens, temperature=0)
+                while True:
+                    msg = await c.recv(cid, timeout=600)
+                    if msg["type"] == "chunk":
+                        if turn.first is None:
+                            turn.first = time.perf_counter()
+                        turn.text += msg["text"]
+                    elif msg["type"] == "done":
+                        break
+                    elif msg["type"] == "error":
+                        raise RuntimeError(f"refused: {msg}")
+                if msg.get("finish_reason") not in ("stop", "length") or turn.first is None:
+                    raise RuntimeError(f"turn ended {msg}")
+                usage = msg["usage"]
+                turn.end, turn.prompt = time.perf_counter(), [0] * usage["prompt_tokens"]
+                turn.computed = usage["prompt_tokens"] - usage.get("cached_tokens", 0)
+                totals["prompt"] += usage["prompt_tokens"]
+                totals["cached"] += usage.get("cached_tokens", 0)
+                done.append(turn)
+                session.answers.append(turn.text)
+            await c.close()
+
+        async def all_clients() -> None:
+            await asyncio.gather(*(client(s) for s in sessions))
+        asyncio.run(all_clients())
+        gateway.stop()
+    finally:
+        for p in procs:
+            p.stop()
+        redis.stop()
+    return done, {"workers": workers, "routing": routing,
+                  "hit_rate": totals["cached"] / totals["prompt"] if totals["prompt"] else 0.0}
+
+
 def run(method: str, sessions: list[Session], max_tokens: int, ignore_eos: bool, model, tok, args):
     print(f"  {method} ...", flush=True)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     if method == "llamacpp":
         turns, counters = run_llamacpp(args.llamacpp_url, sessions, max_tokens, ignore_eos)
+    elif method.startswith("stack"):
+        turns, counters = run_stack(method, sessions, max_tokens, args)
     else:
         turns, counters = run_engine(model, tok, sessions, max_tokens, ignore_eos, method == "engine-on", args)
     counters["seconds"] = time.perf_counter() - t0
@@ -280,6 +366,8 @@ def system_workload(mode: str, methods, model, tok, args) -> list[dict]:
                      "computed": sum(t.computed for t in turns if t.computed is not None),
                      "ttft_first_ms": order[0].ttft_ms, "ttft_p50_ms": percentile(later, 50),
                      "ttft_p95_ms": percentile(later, 95), "seconds": counters["seconds"],
+                     "hit_rate": counters.get("hit_rate", counters.get("prefix_cache_hits", 0)
+                                              / max(1, counters.get("prefix_cache_queries", 0))),
                      "loadavg_1m": counters["loadavg_1m"], "counters": counters,
                      "per_request": [{"ttft_ms": round(t.ttft_ms, 1), "prompt": len(t.prompt), "computed": t.computed}
                                      for t in order]})
@@ -307,6 +395,8 @@ def chat_workload(methods, model, tok, args) -> tuple[list[dict], dict]:
             row[f"{method} prompt"] = sum(t["prompt"] for t in turns) / len(turns)
             row[f"{method} computed"] = sum(t["computed"] or 0 for t in turns) / len(turns)
             row[f"{method} TTFT p50"] = percentile([t["ttft_ms"] for t in turns], 50)
+            if method.startswith("stack"):
+                row[f"{method} hit"] = 1 - row[f"{method} computed"] / max(1, row[f"{method} prompt"])
         rows.append(row)
     return rows, per_method
 
@@ -341,8 +431,9 @@ def main() -> None:
     # warm-up outside the timings: the first calls of each shape allocate and pick kernels (a
     # long prompt in full chunks, then short prompts after a cached prefix, then decode rows)
     warm_args = argparse.Namespace(**{**vars(args), "requests": 3, "system_tokens": 600})
-    for concurrent in (False, True):
-        run_engine(model, tok, system_sessions(tok, warm_args, concurrent), 4, True, True, args)
+    if any(m.startswith("engine") for m in methods):
+        for concurrent in (False, True):
+            run_engine(model, tok, system_sessions(tok, warm_args, concurrent), 4, True, True, args)
     if "llamacpp" in methods:
         run_llamacpp(args.llamacpp_url, system_sessions(tok, warm_args, False), 4, True)
 
@@ -358,8 +449,9 @@ def main() -> None:
             chat_rows, chat_detail = chat_workload(methods, model, tok, args)
     print()
     if system_rows:
-        print(table(system_rows, ["workload", "method", "requests", "prompt_tokens", "computed", "ttft_first_ms",
-                                  "ttft_p50_ms", "ttft_p95_ms", "off_p50_ratio", "seconds", "loadavg_1m"]))
+        print(table(system_rows, ["workload", "method", "requests", "prompt_tokens", "computed", "hit_rate",
+                                  "ttft_first_ms", "ttft_p50_ms", "ttft_p95_ms", "off_p50_ratio", "seconds",
+                                  "loadavg_1m"]))
         print()
     if chat_rows:
         print(table(chat_rows, list(chat_rows[0])))

@@ -34,9 +34,10 @@ class GatewaySettings(Settings):
                                                       "prefilling or decoding) ends with `stalled` (retryable); "
                                                       "0 = never")
     resume_rate_per_min: int = Field(30, description="resume attempts one socket may make per minute")
-    cache_routing: bool = Field(True, description="send requests with the same route key (prompt_cache_key, or the "
-                                                  "prompt's first characters) to the same worker while it has room, "
-                                                  "where their shared prefix is cached (docs/transport.md)")
+    cache_routing: bool = Field(True, description="send requests with the same route key (prompt_cache_key, or a "
+                                                  "chat's messages up to its first user message) to the same worker "
+                                                  "while it has room, where their shared prefix is cached "
+                                                  "(docs/transport.md)")
     gateway_heartbeat_s: float = Field(1.0, description="how often a gateway refreshes its liveness entry")
     gateway_ttl_s: float = Field(5.0, description="a gateway silent this long is dead: a survivor parks its "
                                                   "requests for resume (cancelled after resume_grace_s)")

@@ -7,8 +7,12 @@ no coordination; when a worker joins or leaves, only the keys whose top choice i
 (1/N of them), so the other workers' caches stay useful.
 
 The route key is the client's (`prompt_cache_key`, OpenAI's field) or, without one, a digest of
-the prompt's first ROUTE_PREFIX_CHARS characters: a shared system prompt, or a conversation's
-earlier turns, hash the same on every turn. Only a preference: the worker that reads an entry
+what stays the same from turn to turn: for chat, the messages up to and including the first
+user message (the system prompt and the conversation's opening), so every turn of a
+conversation, which resends its history, lands where that history is cached; for a raw prompt,
+its first ROUTE_PREFIX_CHARS characters. Conversations that share a long system prompt but not
+their opening spread over the workers (each computes the system prompt once, then keeps it
+cached) instead of all landing on one. Only a preference: the worker that reads an entry
 routed to another live worker with room hands it over (worker.intake), and anything else (no
 route, its worker dead or full) runs wherever it is read.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from typing import Iterable
 
-ROUTE_PREFIX_CHARS = 2048     # about the first 500 tokens: a system prompt, a conversation's opening turns
+ROUTE_PREFIX_CHARS = 2048     # about 500 tokens: enough to tell prompts apart, bounded hashing work
 
 
 def route_key(explicit: str | None, prompt: str | None, messages: list[dict] | None) -> str:
@@ -28,7 +32,12 @@ def route_key(explicit: str | None, prompt: str | None, messages: list[dict] | N
     if prompt is not None:
         text = prompt
     else:
-        text = "".join(f"{m.get('role')}\x1f{m.get('content')}\x1e" for m in messages or ())
+        opening = []
+        for m in messages or ():
+            opening.append(f"{m.get('role')}\x1f{m.get('content')}\x1e")
+            if m.get("role") == "user":
+                break       # the conversation's first user message: later turns only add after it
+        text = "".join(opening)
     return "p:" + hashlib.blake2b(text[:ROUTE_PREFIX_CHARS].encode(), digest_size=16).hexdigest()
 
 

@@ -106,7 +106,12 @@ def test_rendezvous_moves_only_the_keys_of_a_worker_that_leaves():
     after = {k: rendezvous(k, workers[:-1])[0] for k in keys}
     moved = [k for k in keys if before[k] != after[k]]
     assert moved and all(before[k] == "w4" for k in moved)              # only the leaver's keys move
-    # a conversation's later turns resend its start: they keep the key
-    opening = [{"role": "system", "content": "You are terse. " * 300}, {"role": "user", "content": "hi"}]
-    assert route_key(None, None, opening) == route_key(None, None, opening + [{"role": "assistant", "content": "yo"}])
-    assert route_key("explicit", None, opening) != route_key(None, None, opening)
+    # a conversation's later turns resend its start: they keep the key, short or long
+    for system in ("You are terse.", "You are terse. " * 300):
+        opening = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+        later = opening + [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"}]
+        assert route_key(None, None, opening) == route_key(None, None, later)
+        assert route_key("explicit", None, opening) != route_key(None, None, opening)
+    # two conversations under one system prompt: their own keys (spread, not one hot worker)
+    assert route_key(None, None, [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}]) != \
+        route_key(None, None, [{"role": "system", "content": "S"}, {"role": "user", "content": "b"}])
