@@ -45,3 +45,26 @@ def write_json(name: str, data: dict) -> Path:
     payload = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), **data}
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def llamacpp_events(url: str, body: dict):
+    """Stream llama.cpp's server `/completion` (body with "stream": true): its events, parsed, up
+    to and including the one with "stop"."""
+    import http.client
+    import urllib.parse
+    target = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(target.hostname, target.port or 80, timeout=600)
+    try:
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        for line in resp:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            yield event
+            if event.get("stop"):
+                return
+    finally:
+        conn.close()

@@ -41,15 +41,12 @@ no download; speed does not depend on weight values) and uses SmolLM2's tokenize
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import math
 import os
 import random
 import sys
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +57,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
-from bench.common import percentile, table, write_json  # noqa: E402
+from bench.common import llamacpp_events, percentile, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
@@ -301,30 +298,19 @@ def prepare_llamacpp(model, tok, reqs, args):
     at its arrival time; each token's arrival is stamped as it is read."""
     if not args.llamacpp_url:
         raise RuntimeError("--llamacpp-url is required for the llamacpp method")
-    url = urllib.parse.urlsplit(args.llamacpp_url)
+    url = args.llamacpp_url
 
     def one(r: Req, t0: float, errors: list):
         _wait_until(t0 + r.arrival)
         try:
-            conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=600)
             sampling = SAMPLING[args.sampling]
             body = {"prompt": r.prompt, "n_predict": r.n, "ignore_eos": True, "stream": True, "cache_prompt": False,
                     **({"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]} if sampling["temperature"] == 0 else
                        {**sampling, "samplers": ["top_k", "top_p", "temperature"]})}
-            conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-            for line in resp:
-                if not line.startswith(b"data: "):
-                    continue
-                event = json.loads(line[6:])
+            for event in llamacpp_events(url, body):
                 stamp = time.perf_counter()
                 n = len(event.get("tokens") or []) or (1 if event.get("content") or not event.get("stop") else 0)
                 r.times.extend([stamp] * n)
-                if event.get("stop"):
-                    break
-            conn.close()
             del r.times[r.n:]
             if len(r.times) != r.n:
                 raise RuntimeError(f"request {r.idx}: {len(r.times)} tokens of {r.n}")

@@ -39,13 +39,10 @@ Every run's prompts start with a fresh tag, so no run hits what an earlier one l
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import sys
 import threading
 import time
-import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +54,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.common import percentile, table, write_json  # noqa: E402
+from bench.common import llamacpp_events, percentile, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
@@ -226,7 +223,6 @@ def run_engine(model, tok, sessions: list[Session], max_tokens: int, ignore_eos:
 
 
 def run_llamacpp(url: str, sessions: list[Session], max_tokens: int, ignore_eos: bool) -> tuple[list[Turn], dict]:
-    target = urllib.parse.urlsplit(url)
     done: list[Turn] = []
     errors: list[Exception] = []
     lock = threading.Lock()
@@ -235,26 +231,16 @@ def run_llamacpp(url: str, sessions: list[Session], max_tokens: int, ignore_eos:
         try:
             while (prompt := session.next_prompt()) is not None:
                 turn = Turn(session.idx, len(session.answers), prompt)
-                conn = http.client.HTTPConnection(target.hostname, target.port or 80, timeout=600)
                 body = {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": ignore_eos, "stream": True,
                         "cache_prompt": True, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}
                 turn.submit = time.perf_counter()
-                conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-                for line in resp:
-                    if not line.startswith(b"data: "):
-                        continue
-                    event = json.loads(line[6:])
+                for event in llamacpp_events(url, body):
                     if turn.first is None and (event.get("content") or event.get("tokens")):
                         turn.first = time.perf_counter()
                     turn.text += event.get("content", "")
                     if event.get("stop"):
                         turn.end = time.perf_counter()
                         turn.computed = (event.get("timings") or {}).get("prompt_n")
-                        break
-                conn.close()
                 with lock:
                     done.append(turn)
                 session.answers.append(turn.text)
