@@ -197,15 +197,18 @@ def contents(events: list[tuple[int | None, str]]) -> str:
 
 
 async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event_id(redis_server, oai_stack):
-    async with gateway_in_process(settings(redis_server, oai_stack)) as gw_a, \
-            gateway_in_process(settings(redis_server, oai_stack)) as gw_b:
-        reference = (await oai(gw_b).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300,
-                                                             temperature=0)).choices[0].message.content
+    owner, other = "sk-oai-owner", "sk-oai-other"
+    api_keys = ",".join(f"{name}:{hashlib.sha256(k.encode()).hexdigest()}" for name, k in (("a", owner), ("b", other)))
+    auth = {"Authorization": f"Bearer {owner}"}
+    async with gateway_in_process(settings(redis_server, oai_stack, api_keys=api_keys)) as gw_a, \
+            gateway_in_process(settings(redis_server, oai_stack, api_keys=api_keys)) as gw_b:
+        reference = (await oai(gw_b, owner).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300,
+                                                                    temperature=0)).choices[0].message.content
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 300, "temperature": 0, "stream": True,
                 "resumable": True}
         lines: list[str] = []
         async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", gw_a.base + "/v1/chat/completions", json=body) as resp:
+            async with http.stream("POST", gw_a.base + "/v1/chat/completions", json=body, headers=auth) as resp:
                 assert resp.status_code == 200
                 async for line in resp.aiter_lines():
                     lines.append(line)
@@ -217,16 +220,21 @@ async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event
         assert 0 < last_id and "[DONE]" not in [d for _, d in first]
         await asyncio.sleep(0.5)
         async with httpx.AsyncClient(timeout=60) as http:
-            resp = await http.get(gw_b.base + f"/v1/streams/{oai_id}", headers={"Last-Event-ID": str(last_id)})
+            # a stream of another key, or an unknown id, cannot be resumed
+            for oai_id_, key in ((oai_id, other), ("chatcmpl-nope", owner)):
+                resp = await http.get(gw_b.base + f"/v1/streams/{oai_id_}",
+                                      headers={"Last-Event-ID": str(last_id), "Authorization": f"Bearer {key}"})
+                assert resp.status_code == 404 and resp.json()["error"]["code"] == "resume_expired", resp.text
+            resp = await http.get(gw_b.base + f"/v1/streams/{oai_id}", headers={"Last-Event-ID": str(last_id), **auth})
             assert resp.status_code == 200, resp.text
             rest = sse_events(resp.text.split("\n"))
         assert rest[-1][1] == "[DONE]"
-        assert all(eid is None or eid > last_id for eid, _ in rest[:1])
-        assert contents(first) + contents(rest) == reference
-        # a stream of another key, or an unknown id, cannot be resumed
-        async with httpx.AsyncClient(timeout=10) as http:
-            resp = await http.get(gw_b.base + "/v1/streams/chatcmpl-nope", headers={"Last-Event-ID": "3"})
-            assert resp.status_code == 404 and resp.json()["error"]["code"] == "resume_expired"
+        ids = [eid for eid, _ in rest if eid is not None]
+        text_ids = [eid for eid, data in rest if contents([(eid, data)])]    # the final chunk repeats the last seq
+        assert ids and ids[0] > last_id and ids == sorted(ids), (last_id, ids)
+        assert text_ids and text_ids == sorted(set(text_ids)), text_ids       # every seq after last_id once
+        head = contents(first)
+        assert reference.startswith(head) and contents(rest) == reference[len(head):]   # the whole remainder
 
 
 async def test_draining_gateway_ends_the_sse_stream_resumably(redis_server, oai_stack):
