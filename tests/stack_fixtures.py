@@ -267,3 +267,18 @@ def start_synthetic_worker(redis_url: str, prefix: str, log_dir: Path, *, name: 
             proc.stop(grace=2)
             raise
     return proc
+
+
+def metric_samples(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted label items): value} of a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(found: dict, name: str, **labels) -> float:
+    """One sample of `metric_samples`' result (0 when absent)."""
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import msgpack
 import pytest
 
 from shared.backlog import live_workers, read_backlog
+from shared.localredis import free_port
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_cancel
-from tests.stack_fixtures import _env, engine_pids, spawn, start_worker, wait_for_worker
+from tests.gateway_client import eventually
+from tests.stack_fixtures import (_env, engine_pids, metric, metric_samples, spawn, start_worker,
+                                  wait_for_worker)
 from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, submit, text_of,
                                 wait_for_tokens)
 
@@ -25,9 +29,15 @@ def module_worker(redis_server, tiny_model_dir, tmp_path_factory, tag: str, env:
 
 
 @pytest.fixture(scope="module")
-def worker_env(redis_server, tiny_model_dir, tmp_path_factory):
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def worker_env(redis_server, tiny_model_dir, tmp_path_factory, metrics_port):
     yield from module_worker(redis_server, tiny_model_dir, tmp_path_factory, "svc",
-                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200, "CLAIM_IDLE_MS": 1500})
+                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200, "CLAIM_IDLE_MS": 1500,
+                              "WORKER_METRICS_PORT": metrics_port})
 
 
 async def test_streams_tokens_and_acks(worker_env, redis_client):
@@ -48,11 +58,34 @@ async def test_streams_tokens_and_acks(worker_env, redis_client):
     assert 0 < await redis_client.ttl(keys.meta(rid)) <= 600
 
 
-async def test_greedy_is_reproducible_and_batched(worker_env, redis_client):
+async def test_greedy_is_reproducible_and_batched(worker_env, redis_client, metrics_port):
     keys, _ = worker_env
-    rids = [await submit(redis_client, keys, max_tokens=20, prompt="Same prompt") for _ in range(6)]
+
+    async def batch_sizes() -> tuple[float, float, float]:
+        """Engine steps so far: all, those of at most 2 rows, those of at most MAX_BATCH (4) rows."""
+        async with httpx.AsyncClient(timeout=10) as http:
+            found = metric_samples((await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text)
+        return tuple(metric(found, name, **labels) for name, labels in (
+            ("worker_batch_size_count", {}), ("worker_batch_size_bucket", {"le": "2.0"}),
+            ("worker_batch_size_bucket", {"le": "4.0"})))
+
+    before = await batch_sizes()
+    async with redis_client.pipeline(transaction=True) as pipe:     # one MULTI: the worker reads all six at once
+        rids = [await submit(pipe, keys, max_tokens=20, prompt="Same prompt") for _ in range(6)]
+        await pipe.execute()
     texts = [text_of(await read_events(redis_client, keys, rid)) for rid in rids]
     assert texts[0] and all(t == texts[0] for t in texts)
+    # batched: the engine ran steps of 3-4 rows (four requests decoding together; 20 tokens each),
+    # never more rows than MAX_BATCH (the metrics pump lags the steps by a fraction of a second)
+    steps = wide = capped = 0.0
+
+    async def batched() -> bool:
+        nonlocal steps, wide, capped
+        now = await batch_sizes()
+        steps, wide, capped = now[0] - before[0], (now[0] - now[1]) - (before[0] - before[1]), now[2] - before[2]
+        return wide >= 10
+    assert await eventually(batched, timeout=15, interval=0.2), (steps, wide)
+    assert capped == steps, (steps, capped)
 
 
 async def test_registry_and_queue_depth(worker_env, redis_client):
