@@ -41,3 +41,19 @@ def tiny_model_dir(tmp_path_factory):
     """Path of a tiny random-weight model (real SmolLM2 tokenizer); set MODEL_PATH to it for workers."""
     from tests.tiny_model import make_tiny_model_dir
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def stack(request, redis_server, tmp_path_factory):
+    """The module's gateway+worker stack (tests.stack_fixtures.Stack), as its `STACK` spec says."""
+    from tests.stack_fixtures import worker_stack
+    spec = request.module.STACK
+    model_dir = None if spec.synthetic else request.getfixturevalue("tiny_model_dir")
+    with worker_stack(redis_server.url, spec, tmp_path_factory.mktemp(f"{spec.name}-logs"), model_dir) as s:
+        yield s
+
+
+@pytest.fixture
+def make_settings(stack):
+    """`make_settings(**overrides)`: settings of a gateway on the module's stack."""
+    return stack.settings
