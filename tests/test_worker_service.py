@@ -148,9 +148,9 @@ async def test_poison_entries_go_to_dead_letter(worker_env, redis_client):
     assert (await read_events(redis_client, keys, good))[-1]["k"] == "done"
     ev = (await read_events(redis_client, keys, bad_rid))[-1]
     assert ev["k"] == "err" and ev["code"] == "invalid_request" and ev["retryable"] is False
-    deadline = time.monotonic() + 10
-    while await redis_client.xlen(keys.dead) < 4 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    async def four_dead() -> bool:
+        return await redis_client.xlen(keys.dead) >= 4
+    await eventually(four_dead, timeout=10, interval=0.05)
     dead = await redis_client.xrange(keys.dead)
     assert len(dead) == 4
     reasons = [f[b"reason"].decode() for _, f in dead]
@@ -212,17 +212,18 @@ async def test_a_full_kv_pool_preempts_and_streams_stay_exact(worker_env, small_
     params = dict(max_tokens=120, prompt="Same prompt")
     reference = text_of(await read_events(redis_client, worker_env[0],
                                           await submit(redis_client, worker_env[0], **params)))
-    rids = [await submit(redis_client, keys, **params) for _ in range(4)]
+    async with redis_client.pipeline(transaction=True) as pipe:     # one MULTI: all four are read together
+        rids = [await submit(pipe, keys, **params) for _ in range(4)]
+        await pipe.execute()
     for rid in rids:
         events = await read_events(redis_client, keys, rid)
         check_seqs(events)
         assert events[-1]["k"] == "done" and events[-1]["seq"] == 120  # the tiny model does not stop early
         assert text_of(events) == reference
     assert await pending_after_acks(redis_client, keys) == 0
-    deadline = time.monotonic() + 5
-    while int(await redis_client.hget(keys.worker("w-kv"), "preemptions") or 0) == 0:
-        assert time.monotonic() < deadline, "no preemption was counted"
-        await asyncio.sleep(0.2)
+    async def preempted() -> bool:                   # the registry entry follows at the next heartbeat
+        return int(await redis_client.hget(keys.worker("w-kv"), "preemptions") or 0) > 0
+    assert await eventually(preempted, timeout=5, interval=0.2), "no preemption was counted"
 
 
 async def test_the_engine_in_a_thread_of_the_worker_serves_and_cancels(redis_server, redis_client, tiny_model_dir,
