@@ -20,9 +20,11 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.settings import GatewaySettings
-from shared.streams import ENTRY_FIELD, Keys, decode_event
+from shared.streams import Keys
 from llm_stream_client import StreamClient
+from tests.gateway_client import eventually
 from tests.stack_fixtures import gateway_in_process, prefix_with_worker, start_gateway
+from tests.worker_redis import read_events, worker_info
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -31,7 +33,7 @@ CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 @pytest.fixture(scope="module")
 def oai_stack(redis_server, tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    env = {"WORKER_HEARTBEAT_S": 0.5}      # the worker's step counter, which the cancel test watches
+    env = {"WORKER_HEARTBEAT_S": 0.5}      # its registry entry (running), which the cancel test watches
     with prefix_with_worker(redis_server.url, tiny_model_dir, logs, name="w-oai", env=env) as prefix:
         yield prefix
 
@@ -138,10 +140,6 @@ async def test_errors_have_openai_shape_and_status(redis_server, oai_stack):
 
 async def test_client_disconnect_cancels_and_the_worker_stops(redis_server, redis_client, oai_stack):
     keys = Keys(oai_stack)
-
-    async def steps() -> int:
-        return int(await redis_client.hget(keys.worker("w-oai"), "steps") or 0)
-
     async with gateway_in_process(settings(redis_server, oai_stack)) as gw:
         client = oai(gw)
         stream = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2000, temperature=0,
@@ -153,22 +151,16 @@ async def test_client_disconnect_cancels_and_the_worker_stops(redis_server, redi
                 break
         await stream.close()                      # the HTTP connection goes away
         closed_at = time.monotonic()
-        before = await steps()
-        deadline = time.monotonic() + 20
-        settled = None
-        while time.monotonic() < deadline:        # the worker's step counter stops growing
-            await asyncio.sleep(1.2)
-            after = await steps()
-            if after == before:
-                settled = time.monotonic() - closed_at
-                break
-            before = after
-        assert settled is not None, "the worker kept generating after the client disconnected"
-        # the worker's record of the request ends cancelled, far short of its 2000 tokens
+        # the worker's record of the request ends cancelled, far short of its 2000 tokens ...
         rid = stream.response.headers["x-request-id"]
-        events = [decode_event(f[ENTRY_FIELD]) for _, f in await redis_client.xrange(keys.out(rid))]
+        events = await read_events(redis_client, keys, rid, timeout=20)
         assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "cancelled", events[-1]
         assert events[-1]["usage"]["completion_tokens"] < 2000
+        # ... and it runs nothing any more (its registry entry, refreshed every heartbeat)
+        async def idle() -> bool:
+            return (await worker_info(redis_client, keys, "w-oai")).get("running") == "0"
+        assert await eventually(idle, timeout=10), "the worker kept generating after the client disconnected"
+        settled = time.monotonic() - closed_at
         print(f"disconnect -> worker idle within {settled:.1f}s "
               f"({events[-1]['usage']['completion_tokens']} of 2000 tokens generated)")
 
