@@ -19,7 +19,7 @@ import websockets
 
 from gateway.auth import hash_key
 from shared.streams import ENTRY_FIELD
-from tests.gateway_client import GatewayClient
+from tests.gateway_client import GatewayClient, eventually, masked_frame
 from tests.stack_fixtures import Stack, StackSpec, gateway_in_process, start_gateway
 from tests.worker_redis import history, read_events, text_of
 
@@ -161,11 +161,7 @@ async def test_client_disconnect_mid_stream_cancels_the_generation(make_settings
         assert final["k"] == "done" and final["finish_reason"] == "cancelled"
         assert final["seq"] < LONG
         # the socket's concurrency slot and request are gone from this replica
-        for _ in range(50):
-            if not gw.hub.connections:
-                break
-            await asyncio.sleep(0.05)
-        assert not gw.hub.connections
+        assert await eventually(lambda: not gw.hub.connections, timeout=2.5)
 
 
 async def test_disconnect_then_resume_on_another_replica_loses_nothing(make_settings, redis_client, stack):
@@ -240,10 +236,7 @@ async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
         fast_s = time.monotonic() - t0
         await asyncio.wait_for(flooder, 60)
-        for _ in range(200):
-            if gw.hub.metrics.slow_consumers._value.get() >= 1:
-                break
-            await asyncio.sleep(0.05)
+        assert await eventually(lambda: gw.hub.metrics.slow_consumers._value.get() >= 1, timeout=10)
         assert gw.hub.metrics.slow_consumers._value.get() == 1
         assert len(gw.hub.connections) == 1                  # only the fast client remains
         print(f"fast client finished 200 tokens in {fast_s:.2f}s next to a non-reading client")
@@ -266,28 +259,17 @@ async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings,
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         assert b"101" in head.split(b"\r\n")[0]
-        writer.write(_masked_text_frame(
-            '{"type":"generate","id":"z","prompt":"hello","max_tokens":%d,"temperature":0}' % LONG))
+        writer.write(masked_frame(
+            b'{"type":"generate","id":"z","prompt":"hello","max_tokens":%d,"temperature":0}' % LONG))
         await writer.drain()
-        rid = None
-        for _ in range(100):
-            rid = next((r.rid for conn in gw.hub.connections for r in conn.requests.values()), None)
-            if rid:
-                break
-            await asyncio.sleep(0.02)
-        assert rid
+        def its_rid() -> str | None:
+            return next((r.rid for conn in gw.hub.connections for r in conn.requests.values()), None)
+        assert await eventually(its_rid, timeout=2)
+        rid = its_rid()
         final = await wait_final(redis_client, stack, rid, timeout=20)
         assert final["finish_reason"] == "cancelled"
         writer.close()
 
-
-def _masked_text_frame(text: str) -> bytes:
-    payload = text.encode()
-    mask = b"\x01\x02\x03\x04"
-    header = bytes([0x81])
-    n = len(payload)
-    header += bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
-    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
 
 # ---------------------------------------------------------------------------- limits / admission
