@@ -179,6 +179,19 @@ def sse_events(lines: list[str]) -> list[tuple[int | None, str]]:
     return events
 
 
+async def sse_dropped_after(http, url: str, body: dict, events: int, **kwargs) -> list[tuple[int | None, str]]:
+    """POST a streaming request and drop the connection once `events` SSE events have come; those
+    events."""
+    lines: list[str] = []
+    async with http.stream("POST", url, json=body, **kwargs) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            lines.append(line)
+            if line == "" and len(sse_events(lines)) >= events:
+                break
+    return sse_events(lines)
+
+
 def contents(events: list[tuple[int | None, str]]) -> str:
     out = []
     for _, data in events:
@@ -198,15 +211,8 @@ async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event
                                                                     temperature=0)).choices[0].message.content
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 300, "temperature": 0, "stream": True,
                 "resumable": True}
-        lines: list[str] = []
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", gw_a.base + "/v1/chat/completions", json=body, headers=auth) as resp:
-                assert resp.status_code == 200
-                async for line in resp.aiter_lines():
-                    lines.append(line)
-                    if line == "" and len([e for e in sse_events(lines) if e[0]]) >= 5:
-                        break                     # drop the connection mid-answer
-        first = sse_events(lines)
+        async with httpx.AsyncClient(timeout=60) as http:            # dropped mid-answer
+            first = await sse_dropped_after(http, gw_a.base + "/v1/chat/completions", body, 6, headers=auth)
         oai_id = json.loads(first[0][1])["id"]
         last_id = first[-1][0]
         assert 0 < last_id and "[DONE]" not in [d for _, d in first]
