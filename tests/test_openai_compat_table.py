@@ -29,7 +29,7 @@ from openai import AsyncOpenAI
 
 from gateway.openai_api import _CHAT_NEUTRAL, _COMMON_NEUTRAL, _COMPLETION_NEUTRAL, IGNORED
 from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker
-from tests.test_openai_api import sse_events
+from tests.test_openai_api import sse_dropped_after, sse_events
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "clients.md"
 MODEL = "SmolLM2-135M-Instruct"
@@ -312,14 +312,8 @@ async def p_finish_reason(ctx: Ctx, _=None) -> str:
     r = await ctx.completion(max_tokens=30, stop=base[10:14])
     assert r.choices[0].finish_reason == "stop"
     # cancelled: a non-resumable stream dropped, then resumed: an error, no finish_reason "cancelled"
-    lines: list[str] = []
-    async with ctx.http.stream("POST", "/v1/chat/completions", json={
-            "model": MODEL, "messages": CHAT, "max_tokens": 2000, "stream": True}) as resp:
-        async for line in resp.aiter_lines():
-            lines.append(line)
-            if line == "" and len(sse_events(lines)) >= 3:
-                break
-    first = sse_events(lines)
+    first = await sse_dropped_after(ctx.http, "/v1/chat/completions",
+                                    {"model": MODEL, "messages": CHAT, "max_tokens": 2000, "stream": True}, 3)
     await asyncio.sleep(1.0)
     resp = await ctx.http.get(f"/v1/streams/{json.loads(first[0][1])['id']}",
                               headers={"Last-Event-ID": str(first[-1][0])})
@@ -362,13 +356,7 @@ async def p_priority(ctx: Ctx, _=None) -> str:
 async def p_resume(ctx: Ctx, _=None) -> str:
     reference = (await ctx.chat(max_tokens=40)).choices[0].message.content
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 40, "temperature": 0, "stream": True, "resumable": True}
-    lines: list[str] = []
-    async with ctx.http.stream("POST", "/v1/chat/completions", json=body) as resp:
-        async for line in resp.aiter_lines():
-            lines.append(line)
-            if line == "" and len(sse_events(lines)) >= 3:
-                break
-    first = sse_events(lines)
+    first = await sse_dropped_after(ctx.http, "/v1/chat/completions", body, 3)
     resp = await ctx.http.get(f"/v1/streams/{json.loads(first[0][1])['id']}",
                               headers={"Last-Event-ID": str(first[-1][0])})
     rest = sse_events(resp.text.split("\n"))
