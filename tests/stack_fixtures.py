@@ -139,11 +139,17 @@ def start_worker(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_
     return proc
 
 
-def start_workers(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_dir: Path, names, *,
-                  env: dict | None = None, metrics: bool = False) -> list[Proc]:
-    """Workers `names` started side by side (`start_worker`), once all of them are registered."""
-    procs = [start_worker(redis_url, prefix, model_dir, log_dir, name=name, env=env, wait=False, metrics=metrics)
-             for name in names]
+def start_workers(redis_url: str, prefix: str, model_dir: str | os.PathLike | None, log_dir: Path, names, *,
+                  env: dict | None = None, metrics: bool = False, step_ms: float = 5.0,
+                  max_batch: int = 8) -> list[Proc]:
+    """Workers `names` started side by side, once all of them are registered: `start_worker` on
+    `model_dir`, or `start_synthetic_worker` (`step_ms`, `max_batch`) where it is None."""
+    if model_dir is None:
+        procs = [start_synthetic_worker(redis_url, prefix, log_dir, name=name, env=env, step_ms=step_ms,
+                                        max_batch=max_batch, wait=False) for name in names]
+    else:
+        procs = [start_worker(redis_url, prefix, model_dir, log_dir, name=name, env=env, wait=False, metrics=metrics)
+                 for name in names]
     try:
         for proc in procs:
             wait_for_worker(redis_url, prefix, proc, count=len(procs))

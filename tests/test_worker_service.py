@@ -13,8 +13,7 @@ from shared.backlog import live_workers, read_backlog
 from shared.localredis import free_port
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_cancel
 from tests.gateway_client import eventually
-from tests.stack_fixtures import (_env, engine_pids, metric, metric_samples, spawn, start_worker,
-                                  wait_for_worker)
+from tests.stack_fixtures import engine_pids, metric, metric_samples, start_synthetic_worker, start_worker
 from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, submit, text_of,
                                 wait_for_tokens)
 
@@ -165,10 +164,9 @@ async def test_busy_worker_keeps_its_requests_from_being_claimed(redis_server, r
     synthetic engine (the real worker service, 5 ms a step) makes 1000 tokens last >= 5 s on any
     machine, so the check cannot pass vacuously on a fast CPU."""
     keys = Keys(stream_prefix)
-    proc = spawn("worker.synthetic", _env(redis_server.url, stream_prefix, {
-        "CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_ID": "w-busy"}), tmp_path, "w-busy")
+    proc = start_synthetic_worker(redis_server.url, stream_prefix, tmp_path, name="w-busy",
+                                  env={"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5})
     try:
-        wait_for_worker(redis_server.url, stream_prefix, proc)
         t0 = time.monotonic()
         rid = await submit(redis_client, keys, max_tokens=1000, prompt="A long one")
         await wait_for_tokens(redis_client, keys, rid, 2)
