@@ -20,8 +20,8 @@ from shared.localredis import LocalRedis
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
                             decode_event_list, encode_cancel, encode_tok, history_id)
 from tests.gateway_client import eventually
-from tests.stack_fixtures import (engine_pids, metric, pid_alive, scrape, spawn, start_synthetic_worker, start_worker,
-                                  start_workers, wait_for_worker, _env)
+from tests.stack_fixtures import (engine_pids, metric, pid_alive, scrape, start_synthetic_worker, start_worker,
+                                  start_workers, wait_for_worker)
 from tests.worker_redis import (check_seqs, client_view, history, last_seq, meta_of, new_rid, owner_of, pending_after_acks,
                                 read_events, read_inbox, submit, text_of, wait_for_tokens, worker_info)
 
@@ -560,8 +560,8 @@ async def test_keys_of_killed_workers_are_removed(redis_server, redis_client, st
     removes their registry entries, control streams and consumers: Redis keys stay bounded."""
     keys = Keys(stream_prefix)
     env = {"WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2}
-    dead = [spawn("worker.synthetic", _env(redis_server.url, stream_prefix, {**env, "WORKER_ID": f"d{i}"}),
-                  tmp_path, f"d{i}") for i in range(20)]
+    dead = [start_synthetic_worker(redis_server.url, stream_prefix, tmp_path, name=f"d{i}", env=env, wait=False)
+            for i in range(20)]
     survivor = None
     try:
         for p in dead:
@@ -572,8 +572,7 @@ async def test_keys_of_killed_workers_are_removed(redis_server, redis_client, st
             p.signal(signal.SIGKILL)
         for p in dead:
             p.popen.wait(30)
-        survivor = spawn("worker.synthetic", _env(redis_server.url, stream_prefix, {**env, "WORKER_ID": "alive"}),
-                         tmp_path, "alive")
+        survivor = start_synthetic_worker(redis_server.url, stream_prefix, tmp_path, name="alive", env=env, wait=False)
         worker_keys: list = []
 
         async def only_the_survivors_keys() -> bool:
