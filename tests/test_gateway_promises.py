@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 
-
 from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, send_until_blocked
 from tests.stack_fixtures import StackSpec, gateway_in_process
 
