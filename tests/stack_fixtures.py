@@ -121,10 +121,9 @@ def wait_for_worker(redis_url: str, prefix: str, proc: Proc, *, count: int = 1, 
 
 
 def start_worker(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_dir: Path, *,
-                 name: str = "worker", env: dict | None = None, wait: bool = True, count: int = 1,
-                 metrics: bool = False) -> Proc:
-    """`python -m worker` on the given model directory (tiny model in tests). `count`: ready once
-    that many workers are registered on `prefix`; `metrics`: it serves /metrics (`scrape(proc)`)."""
+                 name: str = "worker", env: dict | None = None, wait: bool = True, metrics: bool = False) -> Proc:
+    """`python -m worker` on the given model directory (tiny model in tests); `metrics`: it serves
+    /metrics (`scrape(proc)`)."""
     extra = {"MODEL_PATH": str(model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1", "WORKER_ID": name}
     if metrics:
         extra["WORKER_METRICS_PORT"] = free_port()
@@ -132,7 +131,7 @@ def start_worker(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_
     proc = spawn("worker", _env(redis_url, prefix, extra), log_dir, name)
     if wait:
         try:
-            wait_for_worker(redis_url, prefix, proc, count=count)
+            wait_for_worker(redis_url, prefix, proc)
         except Exception:
             proc.stop(grace=2)
             raise

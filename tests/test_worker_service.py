@@ -5,38 +5,31 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import msgpack
 import pytest
 
 from shared.backlog import live_workers, read_backlog
-from shared.localredis import free_port
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_cancel
 from tests.gateway_client import eventually
-from tests.stack_fixtures import engine_pids, metric, metric_samples, start_synthetic_worker, start_worker
+from tests.stack_fixtures import engine_pids, metric, scrape, start_synthetic_worker, start_worker
 from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, submit, text_of,
                                 wait_for_tokens)
 
 
-def module_worker(redis_server, tiny_model_dir, tmp_path_factory, tag: str, env: dict):
+def module_worker(redis_server, tiny_model_dir, tmp_path_factory, tag: str, env: dict, metrics: bool = False):
     """A worker on its own stream prefix (the module's fixtures differ only in `env`)."""
     prefix = f"{tag}{int(time.time() * 1000) % 10**8}"
     proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("wlogs"),
-                        name=f"w-{tag}", env={"WORKER_HEARTBEAT_S": 0.5, **env})
+                        name=f"w-{tag}", env={"WORKER_HEARTBEAT_S": 0.5, **env}, metrics=metrics)
     yield Keys(prefix), proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
-def metrics_port() -> int:
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def worker_env(redis_server, tiny_model_dir, tmp_path_factory, metrics_port):
+def worker_env(redis_server, tiny_model_dir, tmp_path_factory):
     yield from module_worker(redis_server, tiny_model_dir, tmp_path_factory, "svc",
-                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200, "CLAIM_IDLE_MS": 1500,
-                              "WORKER_METRICS_PORT": metrics_port})
+                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200, "CLAIM_IDLE_MS": 1500},
+                             metrics=True)
 
 
 async def test_streams_tokens_and_acks(worker_env, redis_client):
@@ -57,13 +50,12 @@ async def test_streams_tokens_and_acks(worker_env, redis_client):
     assert 0 < await redis_client.ttl(keys.meta(rid)) <= 600
 
 
-async def test_greedy_is_reproducible_and_batched(worker_env, redis_client, metrics_port):
-    keys, _ = worker_env
+async def test_greedy_is_reproducible_and_batched(worker_env, redis_client):
+    keys, proc = worker_env
 
     async def batch_sizes() -> tuple[float, float, float]:
         """Engine steps so far: all, those of at most 2 rows, those of at most MAX_BATCH (4) rows."""
-        async with httpx.AsyncClient(timeout=10) as http:
-            found = metric_samples((await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text)
+        found = await scrape(proc)
         return tuple(metric(found, name, **labels) for name, labels in (
             ("worker_batch_size_count", {}), ("worker_batch_size_bucket", {"le": "2.0"}),
             ("worker_batch_size_bucket", {"le": "4.0"})))
