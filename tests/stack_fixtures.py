@@ -128,7 +128,11 @@ def start_worker(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_
     if metrics:
         extra["WORKER_METRICS_PORT"] = free_port()
     extra.update(env or {})
-    proc = spawn("worker", _env(redis_url, prefix, extra), log_dir, name)
+    return _registered(redis_url, prefix, spawn("worker", _env(redis_url, prefix, extra), log_dir, name), wait)
+
+
+def _registered(redis_url: str, prefix: str, proc: Proc, wait: bool) -> Proc:
+    """`proc`, once it is in the registry where `wait` (stopped if it never gets there)."""
     if wait:
         try:
             wait_for_worker(redis_url, prefix, proc)
@@ -330,13 +334,7 @@ def start_synthetic_worker(redis_url: str, prefix: str, log_dir: Path, *, name: 
     model, starts in about a second); for faults that are about Redis and ownership."""
     proc = spawn("worker.synthetic", _env(redis_url, prefix, {"WORKER_ID": name, **(env or {})}), log_dir, name,
                  args=("--step-ms", str(step_ms), "--max-batch", str(max_batch)))
-    if wait:
-        try:
-            wait_for_worker(redis_url, prefix, proc)
-        except Exception:
-            proc.stop(grace=2)
-            raise
-    return proc
+    return _registered(redis_url, prefix, proc, wait)
 
 
 def metric_samples(text: str) -> dict[tuple, float]:
