@@ -221,3 +221,39 @@ async def test_a_resumed_sse_stream_gets_exactly_the_same_logprobs(redis_server,
         before, after = entries(first), entries(rest)
         assert before and after
         assert same(before + after, reference)
+
+
+async def test_a_websocket_resume_gets_exactly_the_same_logprobs(redis_server, lp_stack):
+    """A socket dropped after a few chunks, the request resumed from its last seq on another
+    replica: the chunks' entries before and after equal an uninterrupted request's."""
+    async with gateway_in_process(settings(redis_server, lp_stack)) as gw_a, \
+            gateway_in_process(settings(redis_server, lp_stack)) as gw_b:
+        fields = dict(prompt=PROMPT, max_tokens=200, temperature=0, logprobs=True, top_logprobs=2)
+        ws = await GatewayClient.connect(gw_b.ws_url)
+        try:
+            await ws.send(type="generate", id="ref", **fields)
+            ref_chunks, _ = await ws.until_done("ref")
+        finally:
+            await ws.close()
+        ws = await GatewayClient.connect(gw_a.ws_url)
+        try:
+            await ws.send(type="generate", id="r", **fields)
+            accepted = await ws.recv("r")
+            assert accepted["type"] == "accepted"
+            before = [await ws.recv("r") for _ in range(3)]
+            assert all(c["type"] == "chunk" for c in before)
+        finally:
+            await ws.close()                        # dropped mid-answer
+        ws = await GatewayClient.connect(gw_b.ws_url)
+        try:
+            await ws.send(type="resume", id="r", last_seq=before[-1]["seq"], request_id=accepted["request_id"])
+            after, done = await ws.until_done("r")
+        finally:
+            await ws.close()
+        assert done["finish_reason"] in ("stop", "length") and after
+
+        def entries(chunks):
+            return [e for c in chunks for e in c["logprobs"]]
+        assert same(entries(before) + entries(after), entries(ref_chunks))
+        assert [e["text_offset"] for e in entries(before) + entries(after)] == \
+            [e["text_offset"] for e in entries(ref_chunks)]
