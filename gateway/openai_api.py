@@ -419,7 +419,9 @@ class OpenAIResponse:
             else:
                 self.parts.append(msg.text)
                 if msg.logprobs is not None:
-                    self.logprobs = (self.logprobs or []) + msg.logprobs
+                    if self.logprobs is None:
+                        self.logprobs = []
+                    self.logprobs.extend(msg.logprobs)
         elif isinstance(msg, Done):
             self.done = msg
             if self.stream and (self.committed or done_error(msg) is None):
