@@ -140,9 +140,9 @@ async def test_raw_sse_chunks_carry_logprobs_only_with_tokens(redis_server, lp_s
 async def test_openai_refuses_out_of_range_logprobs(redis_server, lp_stack):
     async with gateway_in_process(settings(redis_server, lp_stack)) as gw:
         client = oai(gw)
-        for call, param in [(client.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=2), "top_logprobs"),
-                            (client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=21),
-                             "top_logprobs"),
+        chat = client.chat.completions.create
+        for call, param in [(chat(model=MODEL, messages=CHAT, top_logprobs=2), "top_logprobs"),
+                            (chat(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=21), "top_logprobs"),
                             (client.completions.create(model=MODEL, prompt=PROMPT, logprobs=6), "logprobs")]:
             with pytest.raises(openai.BadRequestError) as info:
                 await call
