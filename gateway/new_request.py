@@ -92,7 +92,8 @@ class RequestStarter:
         entry = RequestEntry(
             rid=rid,
             params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop)),
+                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop),
+                                  logprobs=(msg.top_logprobs or 0) if msg.logprobs else None),
             prompt=msg.prompt,
             messages=messages,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,

@@ -80,6 +80,9 @@ class Generate(_ClientMsg):
     # requests with the same key go to the same worker while it has room, so the prompt prefix
     # they share is in its KV cache (OpenAI's `prompt_cache_key`; docs/protocol.md)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
+    # per output token its logprob, and this many most likely alternatives (OpenAI's chat fields)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     _id = field_validator("id")(_check_id)
 
@@ -96,6 +99,8 @@ class Generate(_ClientMsg):
             raise ValueError("give exactly one of 'messages' or 'prompt'")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self
 
     def prompt_chars(self) -> int:
@@ -150,6 +155,19 @@ class Usage(BaseModel):
     total_ms: float | None = None
 
 
+class TopLogprob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token: str
+    logprob: float
+    bytes: list[int]                 # the token's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    """One output token: OpenAI's chat `logprobs.content[i]`, plus where its text starts."""
+    top_logprobs: list[TopLogprob]
+    text_offset: int                 # the lengths of the output's token strings before it
+
+
 class Accepted(_Msg):
     type: Literal["accepted"] = "accepted"
     id: str
@@ -164,6 +182,7 @@ class Chunk(_Msg):
     seq: int
     text: str
     tokens: int
+    logprobs: list[TokenLogprob] | None = None    # requests that ask: one per token of this chunk
 
 
 class Done(_Msg):
