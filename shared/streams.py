@@ -117,6 +117,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # structured output: a grammar the tokens must follow (worker.engine.grammar: {"type":
+    # "json_object"} or {"type": "json_schema", "schema": {...}}); None: free text
+    grammar: dict | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -176,6 +179,8 @@ class RequestEntry:
             raise ValueError("bad top_k")
         if not isinstance(p.stop, list) or not all(isinstance(s, str) and s for s in p.stop):
             raise ValueError("bad stop")
+        if p.grammar is not None and not isinstance(p.grammar, dict):
+            raise ValueError("bad grammar")
         return entry
 
 
