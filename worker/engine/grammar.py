@@ -26,15 +26,12 @@ separators (", ", ": ") and no free whitespace: a model cannot stall in endless 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
 from worker.engine.host_lists import long_tensor
-
-if TYPE_CHECKING:
-    from worker.engine.sequence import Sequence
 
 SEPARATORS = (", ", ": ")
 ANY_OBJECT = {"type": "object"}
@@ -108,9 +105,9 @@ class Grammars:
             raise GrammarError(f"the JSON schema cannot be used: {_first_line(exc)}") from None
         return Matcher(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
 
-    def apply_masks(self, logits: torch.Tensor, sampled: list["Sequence"]) -> None:
+    def apply_masks(self, logits: torch.Tensor, sampled: list) -> None:
         """Set the logits of tokens each constrained row's grammar forbids to -inf (`logits`
-        [R, V] holds the rows of `sampled`, in order). A step without constrained rows returns
+        [R, V] holds the rows of `sampled`, the step's `Sequence`s, in order). A step without constrained rows returns
         after one scan of the list."""
         rows = [i for i, seq in enumerate(sampled) if seq.grammar is not None]
         if not rows:
