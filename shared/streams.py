@@ -133,7 +133,8 @@ class RequestEntry:
     rid: str
     params: SamplingParams
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict] | None = None    # chat: the functions the model may call (rendered by its chat template)
     priority: Literal["interactive", "batch"] = "interactive"
     created_ms: int = 0
     key_id: str = ""
@@ -145,6 +146,10 @@ class RequestEntry:
         fields = asdict(self)
         if not fields["route"]:
             del fields["route"]     # what workers older than routing can read
+        if fields["tools"] is None:
+            del fields["tools"]
+        if fields["params"]["grammar"] is None:
+            del fields["params"]["grammar"]   # a worker older than structured output can read it
         return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
