@@ -109,7 +109,7 @@ class APIError(Exception):
 #   * accepted and ignored: it cannot change the answer (`IGNORED` below) — vLLM's stance, so
 #     that what SDKs and frameworks send by default works;
 #   * refused unless neutral: a value that would change the answer and that this server cannot
-#     honour (`n > 1`, tools, logprobs, penalties, ...) is a 400 `unsupported_parameter` naming
+#     honour (`n > 1`, logprobs, penalties, ...) is a 400 `unsupported_parameter` naming
 #     it; the value that changes nothing (`n: 1`, `tools: []`, penalties 0, ...) is accepted.
 # A field this list does not know is refused too (extra="forbid"): nothing unknown is ignored.
 
@@ -253,8 +253,8 @@ def _chat_messages(raw: list[dict]) -> list[dict]:
             raise _unsupported(f"messages[{i}].{sorted(extra)[0]}")
         for name, is_empty in _MESSAGE_ECHO_EMPTY.items():
             if not is_empty(m.get(name)):
-                raise _unsupported(f"messages[{i}].{name}", "must be null or empty: this server supports text "
-                                                            "messages only (no tool calls, audio or refusals)")
+                raise _unsupported(f"messages[{i}].{name}", "must be null or empty: this server takes text "
+                                                            "and tool calls only (no audio or refusals)")
         role = {"developer": "system"}.get(m.get("role"), m.get("role"))
         if role not in ("system", "user", "assistant", "tool"):
             raise _unsupported(f"messages[{i}].role", f"{m.get('role')!r} is not supported (system, developer, "
