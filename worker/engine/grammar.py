@@ -105,6 +105,17 @@ class Grammars:
             raise GrammarError(f"the JSON schema cannot be used: {_first_line(exc)}") from None
         return Matcher(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
 
+    def _allowed(self, host: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Bitmask rows [k, words] (bit j of word w: token 32w + j) -> bool [k, vocab] on the
+        device. A GPU unpacks the uploaded words itself (a few KB a row cross the bus); a CPU
+        unpacks with numpy's unpackbits, ~25x faster than the same shifts in torch there."""
+        k = host.shape[0]
+        if self._device.type == "cpu":
+            bits = np.unpackbits(host.numpy().view(np.uint8), axis=1, bitorder="little")
+            return torch.from_numpy(bits[:, :vocab]).view(torch.bool)
+        masks = host.to(self._device, non_blocking=True)
+        return ((masks.unsqueeze(-1) >> self._shifts) & 1).view(k, -1)[:, :vocab].bool()
+
     def apply_masks(self, logits: torch.Tensor, sampled: list) -> None:
         """Set the logits of tokens each constrained row's grammar forbids to -inf (`logits`
         [R, V] holds the rows of `sampled`, the step's `Sequence`s, in order). A step without constrained rows returns
@@ -117,8 +128,7 @@ class Grammars:
         host.fill_(0)
         for j, i in enumerate(rows):
             sampled[i].grammar.fill(host, j)
-        masks = host if self._device.type == "cpu" else host.to(self._device, non_blocking=True)
-        allowed = ((masks.unsqueeze(-1) >> self._shifts) & 1).view(k, -1)[:, : logits.shape[-1]].bool()
+        allowed = self._allowed(host, logits.shape[-1])
         if k == logits.shape[0]:
             logits.masked_fill_(~allowed, float("-inf"))
             return
