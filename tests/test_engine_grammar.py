@@ -50,7 +50,7 @@ def tiny(tiny_model_dir):
     return model, tok
 
 
-def run(engine: Engine, requests: list[EngineRequest], *, cancel_at: dict | None = None) -> dict:
+def run(engine: Engine, requests: list[EngineRequest]) -> dict:
     """Requests join one per step; returns {rid: (text, token ids, final output)}."""
     out: dict[str, tuple[str, list[int], object]] = {}
     step = 0
