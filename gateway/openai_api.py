@@ -44,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.auth import bearer_token
 from gateway.hub import Hub
 from gateway.new_request import AlreadyStarted
+from gateway.openai_logprobs import CHAT_TOP_MAX, COMPLETIONS_TOP_MAX, chat_logprobs, completion_logprobs
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.sender import Sender, WakeEvent
@@ -109,7 +110,7 @@ class APIError(Exception):
 #   * accepted and ignored: it cannot change the answer (`IGNORED` below) — vLLM's stance, so
 #     that what SDKs and frameworks send by default works;
 #   * refused unless neutral: a value that would change the answer and that this server cannot
-#     honour (`n > 1`, logprobs, penalties, ...) is a 400 `unsupported_parameter` naming
+#     honour (`n > 1`, penalties, ...) is a 400 `unsupported_parameter` naming
 #     it; the value that changes nothing (`n: 1`, `tools: []`, penalties 0, ...) is accepted.
 # A field this list does not know is refused too (extra="forbid"): nothing unknown is ignored.
 
@@ -196,8 +197,6 @@ _COMMON_NEUTRAL: dict[str, Any] = {
     "logit_bias": lambda v: not v,                              # null or {}
 }
 _CHAT_NEUTRAL: dict[str, Any] = {
-    "logprobs": lambda v: v in (None, False),                   # (logprobs: true comes with #28 item 2)
-    "top_logprobs": lambda v: v is None,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "modalities": lambda v: v in (None, ["text"]),
@@ -205,7 +204,6 @@ _CHAT_NEUTRAL: dict[str, Any] = {
     "web_search_options": lambda v: v is None,
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
-    "logprobs": lambda v: v is None,
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,                                  # null or ""
@@ -307,6 +305,7 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
             prompt = prompt[0]
         fields["prompt"] = prompt
         max_tokens = body.max_tokens
+    fields.update(_logprob_fields(body))
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
                         ("seed", body.seed), ("stop", stop), ("priority", body.priority),
@@ -314,6 +313,25 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
         if value is not None:
             fields[name] = value
     return body, fields
+
+
+_INVALID = ErrorCode.INVALID_REQUEST.value
+
+
+def _logprob_fields(body: _Body) -> dict:
+    """Chat `logprobs: true` + `top_logprobs` (0-20), completions `logprobs` (0-5 alternatives)
+    -> the protocol's `logprobs` / `top_logprobs`."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code=_INVALID)
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= CHAT_TOP_MAX:
+            raise APIError(400, f"'top_logprobs' must be 0 to {CHAT_TOP_MAX}", param="top_logprobs", code=_INVALID)
+        return {"logprobs": True, "top_logprobs": body.top_logprobs or 0} if body.logprobs else {}
+    if body.logprobs is None:
+        return {}
+    if not 0 <= body.logprobs <= COMPLETIONS_TOP_MAX:
+        raise APIError(400, f"'logprobs' must be 0 to {COMPLETIONS_TOP_MAX}", param="logprobs", code=_INVALID)
+    return {"logprobs": True, "top_logprobs": body.logprobs}
 
 
 # ---------------------------------------------------------------- the response ("socket")
@@ -371,6 +389,7 @@ class OpenAIResponse:
         self.ended = asyncio.Event()
         self.broken = False                  # a write failed: the client is gone
         self.parts: list[str] = []           # stream: false
+        self.logprobs: list | None = None     # stream: false, when the chunks carry logprobs
         self.done: Done | None = None
         self.error: Error | None = None
         # stream: true — the 200's headers and what was written before the first event, held
@@ -400,12 +419,16 @@ class OpenAIResponse:
         self.last_send = time.monotonic()
         if isinstance(msg, Chunk):
             if self.stream and self.tools is not None:    # text and tool call deltas
-                await self._event(self._chunk(None, None, delta=structured.delta(*self.tools.feed(msg.text))), msg.seq,
-                                  commit=True)
+                await self._event(self._chunk(None, None, delta=structured.delta(*self.tools.feed(msg.text)),
+                                              logprobs=msg.logprobs), msg.seq, commit=True)
             elif self.stream:
-                await self._event(self._chunk(msg.text, None), msg.seq, commit=True)
+                await self._event(self._chunk(msg.text, None, logprobs=msg.logprobs), msg.seq, commit=True)
             else:
                 self.parts.append(msg.text)
+                if msg.logprobs is not None:
+                    if self.logprobs is None:
+                        self.logprobs = []
+                    self.logprobs.extend(msg.logprobs)
         elif isinstance(msg, Done):
             self.done = msg
             if self.stream and (self.committed or done_error(msg) is None):
@@ -431,14 +454,18 @@ class OpenAIResponse:
 
     # building events -------------------------------------------------------
 
-    def _chunk(self, text: str | None, finish: str | None, *, role: bool = False, delta: dict | None = None) -> dict:
+    def _chunk(self, text: str | None, finish: str | None, *, role: bool = False, logprobs: list | None = None,
+               delta: dict | None = None) -> dict:
         if self.chat:
             if delta is None:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
+                      "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "",
+                      "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
+                      "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
@@ -472,11 +499,13 @@ class OpenAIResponse:
             return error.status, error.body()
         text = "".join(self.parts)
         if self.chat:
-            choice = {"index": 0, "message": structured.message(self.tools, text), "logprobs": None,
+            lp = chat_logprobs(self.logprobs) if self.logprobs is not None else None
+            choice = {"index": 0, "message": structured.message(self.tools, text), "logprobs": lp,
                       "finish_reason": structured.finish_reason(self.tools, self.done.finish_reason)}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.done.finish_reason}
+            lp = completion_logprobs(self.logprobs) if self.logprobs is not None else None
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.done.finish_reason}
             obj = "text_completion"
         return 200, {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model,
                      "choices": [choice], "usage": usage_of(self.done)}

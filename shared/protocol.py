@@ -97,6 +97,9 @@ class Generate(_ClientMsg):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=64)
     tool_choice: ToolChoice | None = None
+    # per output token its logprob, and this many most likely alternatives (OpenAI's chat fields)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     _id = field_validator("id")(_check_id)
 
@@ -116,6 +119,8 @@ class Generate(_ClientMsg):
         check_tools(self.tools, self.tool_choice, self.messages is not None)
         if tool_mode(self.tools, self.tool_choice) == "forced" and self.response_format not in (None, ResponseFormat(type="text")):
             raise ValueError("'response_format' and a tool_choice that forces a call cannot be combined")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self
 
     def prompt_chars(self) -> int:
@@ -170,6 +175,19 @@ class Usage(BaseModel):
     total_ms: float | None = None
 
 
+class TopLogprob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token: str
+    logprob: float
+    bytes: list[int]                 # the token's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    """One output token: OpenAI's chat `logprobs.content[i]`, plus where its text starts."""
+    top_logprobs: list[TopLogprob]
+    text_offset: int                 # the lengths of the output's token strings before it
+
+
 class Accepted(_Msg):
     type: Literal["accepted"] = "accepted"
     id: str
@@ -184,6 +202,7 @@ class Chunk(_Msg):
     seq: int
     text: str
     tokens: int
+    logprobs: list[TokenLogprob] | None = None    # requests that ask: one per token of this chunk
 
 
 class Done(_Msg):

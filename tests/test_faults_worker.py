@@ -95,19 +95,24 @@ def ids_of(events: list[dict]) -> list[int]:
     return [i for e in events if e["k"] == "tok" for i in e["ids"]]
 
 
+def logprobs_of(events: list[dict]) -> list[list]:
+    return [lp for e in events if e["k"] == "tok" for lp in e["lp"]]
+
+
 async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_server, redis_client, stream_prefix,
                                                                           tiny_model_dir, tmp_path):
     """A claiming worker continues from prompt + the delivered token ids: random (unseeded)
     sampling finishes too (no worker_lost), and what the client holds is exactly what was delivered
     before the kill followed by what was generated after; greedy and seeded runs still equal an
-    uninterrupted run on CPU."""
+    uninterrupted run on CPU. The greedy one asks for logprobs: the continuation's entries go on
+    where the first run's stopped (text offsets included) and equal the uninterrupted run's."""
     from transformers import AutoTokenizer
     keys = Keys(stream_prefix)
     gw = "g-kill"
     procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, FAST_CLAIM)
     try:
         greedy, seeded, rnd = new_rid(), new_rid(), new_rid()
-        await submit_together(redis_client, keys, [entry(greedy, max_tokens=600, temperature=0.0),
+        await submit_together(redis_client, keys, [entry(greedy, max_tokens=600, temperature=0.0, logprobs=2),
                                                    entry(seeded, max_tokens=600, temperature=0.9, seed=7),
                                                    RequestEntry(rid=rnd, params=SamplingParams(max_tokens=600,
                                                                                                temperature=1.0),
@@ -153,7 +158,7 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         filled = {e["seq"] for e in ev_rnd} - {e["seq"] for e in live[rnd]}
         assert all(e["ep"] == 1 for e in ev_rnd if e["seq"] in filled), "only the dead worker's last write may miss live"
         # deterministic ones finish seamlessly: seq continues, text identical to an uninterrupted run
-        for rid, params in ((greedy, dict(temperature=0.0)), (seeded, dict(temperature=0.9, seed=7))):
+        for rid, params in ((greedy, dict(temperature=0.0, logprobs=2)), (seeded, dict(temperature=0.9, seed=7))):
             events = ev_greedy if rid == greedy else ev_seeded
             assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "length"
             check_seqs(events)
@@ -161,6 +166,12 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
             ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=600, **params)
             ref_events = await read_events(redis_client, keys, ref, timeout=60)
             assert text_of(events) == text_of(ref_events) and ids_of(events) == ids_of(ref_events)
+            if rid == greedy:   # logprobs across the hand-over: one entry per token, offsets continuous
+                got, want = logprobs_of(events), logprobs_of(ref_events)
+                assert len(got) == len(ids_of(events)) == 600
+                assert [(e[0], e[3], [t for t, _ in e[2]]) for e in got] == \
+                    [(e[0], e[3], [t for t, _ in e[2]]) for e in want]
+                assert all(abs(a[1] - b[1]) < 1e-3 for a, b in zip(got, want))
             # the claiming worker stamps the next epoch (meta.epoch bumped on claim)
             assert {e["ep"] for e in events} == {1, 2} and events[-1]["ep"] == 2
         assert "continuing" in survivor.log() and "replaying" not in survivor.log()

@@ -432,6 +432,18 @@ async def p_context_too_long(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
+async def p_logprobs(ctx: Ctx, _=None) -> str:
+    """Chat `logprobs` + `top_logprobs` and completions `logprobs`: one entry per token, the
+    answer unchanged (tests/test_logprobs_api.py checks the values)."""
+    chat = await ctx.chat(logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == ctx.chat_text
+    assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
+    text = await ctx.completion(logprobs=2)
+    assert text.choices[0].text == ctx.text and len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
+    return "yes"
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
@@ -506,8 +518,8 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "presence_penalty": param("presence_penalty", 0.5),
     "frequency_penalty": param("frequency_penalty", 0.5),
     "logit_bias": param("logit_bias", {"42": 5}),
-    "logprobs": param("logprobs", True),
-    "top_logprobs": param("top_logprobs", 2),
+    "logprobs": p_logprobs,
+    "top_logprobs": p_logprobs,
     "tools": p_tools,
     "tool_choice": p_tools,
     "functions": param("functions", [TOOL["function"]]),

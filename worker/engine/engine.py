@@ -35,6 +35,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.grammar import GrammarError, Grammars
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
+from worker.engine.logprobs import MAX_TOP_LOGPROBS, TokenText, entry as logprob_entry
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner
@@ -95,6 +96,7 @@ class Engine:
         self.runner.grammars = self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.runner.eos_ids,
                                                         config.max_batch, self.device)
         self._by_rid: dict[str, Sequence] = {}
+        self._token_text = TokenText(tokenizer)   # logprobs: tokens as text
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
         self._arrivals = 0
         # the last forward pass, for the worker's metrics: (rows, prompt tokens computed, decode
@@ -171,6 +173,8 @@ class Engine:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "token id outside the vocabulary")
         if p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or req.skip_tokens < 0:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "invalid sampling parameters")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
@@ -199,6 +203,9 @@ class Engine:
                        tokens=context, cache_root=prefix_root(self._cache_root, req.cache_salt)
                        if req.cache_salt else self._cache_root, grammar=matcher)
         self._arrivals += 1
+        if seq.top_logprobs >= 0:
+            self.runner.logprobs.asking += 1
+            seq.text_offset = self._token_text.length(req.generated_ids)
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
         self._by_rid[req.rid] = seq
@@ -259,11 +266,14 @@ class Engine:
             self.scheduler.cache_computed(plan)
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
-        for seq, token in zip(plan.sampled, tokens):
+        logprobs = self.runner.last_logprobs
+        for i, (seq, token) in enumerate(zip(plan.sampled, tokens)):
             if seq.finished:
                 continue
             try:
                 out = self._on_token(seq, token, now_ms)
+                if logprobs is not None and logprobs[i] is not None:
+                    self._add_logprobs(seq, token, logprobs[i], out)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
@@ -308,6 +318,14 @@ class Engine:
         return StepOutput(seq.rid, text, ids, True, reason, seq.prompt_len, n, None, None, now_ms,
                           min(seq.cached_tokens, seq.prompt_len), seq.admitted_ms)
 
+    def _add_logprobs(self, seq: Sequence, token: int, row: tuple, out: StepOutput | None) -> None:
+        """The token's logprobs onto its output (a token an earlier run delivered only moves the
+        text offset on)."""
+        offset = seq.text_offset
+        seq.text_offset += len(self._token_text(token))
+        if out is not None and out.token_ids:
+            out.logprobs = [logprob_entry(self._token_text, token, row, offset)]
+
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
             if not seq.finished:
@@ -317,6 +335,8 @@ class Engine:
     def _forget(self, seq: Sequence) -> None:
         """The request leaves the engine: its KV blocks are free (exactly once)."""
         seq.finished = True
+        if seq.top_logprobs >= 0:
+            self.runner.logprobs.asking -= 1
         self.scheduler.remove(seq)
         self._by_rid.pop(seq.rid, None)
 

@@ -56,6 +56,8 @@ class Sequence:
     max_tokens: int = field(init=False)
     skip_tokens: int = field(init=False)
     ignore_eos: bool = field(init=False)
+    top_logprobs: int = field(init=False)      # logprobs: alternatives per token; -1: no logprobs
+    text_offset: int = 0                       # logprobs: the output's length in token strings so far
 
     def __post_init__(self) -> None:
         req, params = self.req, self.req.params
@@ -66,6 +68,7 @@ class Sequence:
         self.max_tokens = params.max_tokens
         self.skip_tokens = req.skip_tokens
         self.ignore_eos = req.ignore_eos
+        self.top_logprobs = -1 if params.logprobs is None else params.logprobs
 
     @property
     def completion_tokens(self) -> int:
