@@ -212,7 +212,7 @@ def test_smollm2_writes_valid_json():
     ask = {"person": "Describe a fictional person living in Paris as JSON.",
            "enums": "Pick a color, a size and whether it is ok, as JSON.",
            "arrays": "Give a few tags and points as JSON.",
-           "object": "Describe the Eiffel tower as a JSON object with a few fields."}
+           "object": "Reply with a JSON object with the keys \"city\" and \"country\" for Paris."}
     reqs = []
     for name, question in ask.items():
         ids = build_prompt_ids(tok, None, [{"role": "user", "content": question}])
