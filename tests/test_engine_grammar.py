@@ -222,3 +222,21 @@ def test_smollm2_writes_valid_json():
     for name, (text, _, final) in out.items():
         assert final.finish_reason == "stop", (name, text)
         assert_valid(text, SCHEMAS.get(name, {"type": "object"}))
+
+
+def test_no_raw_control_characters_in_json_strings(tiny):
+    """xgrammar's JSON string rule lets raw control characters through (a seeded random model
+    wrote \\x01 into a string, which no JSON parser accepts): tokens holding one are masked."""
+    model, tok = tiny
+    engine = make_engine(model, tok)
+    matcher = engine.grammars.matcher(spec({"type": "object", "properties": {"s": {"type": "string"}}}))
+    for t in prompt(tok, '{"s": "ab'):
+        assert matcher.accept(t)
+
+    class Row:
+        grammar = matcher
+    logits = torch.zeros(1, engine._logits_width)
+    engine.grammars.apply_masks(logits, [Row()])
+    control = [i for i in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([i]))]
+    assert control and bool((logits[0, control] == float("-inf")).all())
+    assert (logits[0] == 0).sum() > 10000      # the rest of a string's vocabulary stays allowed

@@ -72,6 +72,7 @@ class Grammars:
         self._eos_ids = eos_ids
         self._device = device
         self._compiler = None
+        self._clean: torch.Tensor | None = None   # bitmask words: every token but those with control bytes
         words = (vocab + 31) // 32
         self._host = torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
@@ -82,6 +83,13 @@ class Grammars:
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab,
                                                       stop_token_ids=sorted(self._eos_ids()) or None)
             self._compiler = xgr.GrammarCompiler(info)
+            # JSON strings may not hold raw control characters, which xgrammar's string rule
+            # lets through (a random model wrote \x01 into one); the JSON written here needs
+            # none (fixed separators, no free whitespace), so tokens with one are never allowed
+            words = self._host.shape[1]
+            clean = np.full(words * 32, True)
+            clean[[i for i, b in enumerate(info.decoded_vocab) if any(c < 0x20 for c in b)]] = False
+            self._clean = torch.from_numpy(np.packbits(clean, bitorder="little").view(np.int32).copy())
         return self._compiler
 
     def matcher(self, spec: dict) -> Matcher:
@@ -128,6 +136,7 @@ class Grammars:
         host.fill_(0)
         for j, i in enumerate(rows):
             sampled[i].grammar.fill(host, j)
+        host &= self._clean
         allowed = self._allowed(host, logits.shape[-1])
         if k == logits.shape[0]:
             logits.masked_fill_(~allowed, float("-inf"))
