@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from shared.streams import SamplingParams
+from tests.tiny_model import tiny_llama
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
 from worker.engine.logprobs import LogprobGather
 
@@ -27,14 +28,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(tokenizer)
 
 
 def run(engine, requests):
