@@ -117,6 +117,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # structured output: a grammar the tokens must follow (worker.engine.grammar: {"type":
+    # "json_object"} or {"type": "json_schema", "schema": {...}}); None: free text
+    grammar: dict | None = None
     # per output token its logprob and this many most likely alternatives (0-20); None: none
     logprobs: int | None = None
 
@@ -132,7 +135,8 @@ class RequestEntry:
     rid: str
     params: SamplingParams
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict] | None = None    # chat: the functions the model may call (rendered by its chat template)
     priority: Literal["interactive", "batch"] = "interactive"
     created_ms: int = 0
     key_id: str = ""
@@ -144,6 +148,10 @@ class RequestEntry:
         fields = asdict(self)
         if not fields["route"]:
             del fields["route"]     # what workers older than routing can read
+        if fields["tools"] is None:
+            del fields["tools"]
+        if fields["params"]["grammar"] is None:
+            del fields["params"]["grammar"]   # a worker older than structured output can read it
         if fields["params"]["logprobs"] is None:
             del fields["params"]["logprobs"]    # what workers older than logprobs can read
         return msgpack.packb(fields, use_bin_type=True)
@@ -180,6 +188,8 @@ class RequestEntry:
             raise ValueError("bad top_k")
         if not isinstance(p.stop, list) or not all(isinstance(s, str) and s for s in p.stop):
             raise ValueError("bad stop")
+        if p.grammar is not None and not isinstance(p.grammar, dict):
+            raise ValueError("bad grammar")
         if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= 20):
             raise ValueError("bad logprobs")
         return entry

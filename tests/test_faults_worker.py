@@ -742,3 +742,46 @@ async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(
         proc.stop()
         await client.aclose()
         server.stop()
+
+
+async def test_a_constrained_request_continues_on_another_worker(redis_server, redis_client, stream_prefix,
+                                                                 tiny_model_dir, tmp_path):
+    """Structured output across a SIGKILL: the claiming worker rebuilds the grammar's matcher by
+    replaying the delivered tokens, so the document is finished under the same schema (and, greedy
+    or seeded, is the very document an uninterrupted run writes)."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 10000, "maxLength": 10200},
+                                               "color": {"enum": ["red", "green"]}}, "required": ["text", "color"]}
+    grammar = {"type": "json_schema", "schema": schema}
+    keys = Keys(stream_prefix)
+    procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, {**FAST_CLAIM, "MAX_SEQ_LEN": 8192})
+    try:
+        greedy, seeded = new_rid(), new_rid()
+        await submit_together(redis_client, keys, [entry(greedy, max_tokens=4000, temperature=0.0, grammar=grammar),
+                                                   entry(seeded, max_tokens=4000, temperature=0.9, seed=7,
+                                                         grammar=grammar)])
+        await wait_for_tokens(redis_client, keys, greedy, 20)
+        owner = await owner_of(redis_client, keys, greedy)
+        victim = next(p for p, name in zip(procs, ("wa", "wb")) if name == owner)
+        [engine] = engine_pids(victim.pid)
+        victim.signal(signal.SIGKILL)
+        victim.popen.wait(10)
+        killed_at = time.monotonic()
+        while pid_alive(engine) and time.monotonic() < killed_at + 10:
+            await asyncio.sleep(0.05)
+        for rid, params in ((greedy, dict(temperature=0.0)), (seeded, dict(temperature=0.9, seed=7))):
+            before = await history_now(redis_client, keys, rid)
+            events = await read_events(redis_client, keys, rid, timeout=60)
+            assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "stop", events[-1]
+            check_seqs(events)
+            if rid == greedy:   # (the seeded one may not have started, or have run elsewhere)
+                assert before and before[-1]["k"] == "tok", f"finished before the kill ({len(ids_of(before))} tokens)"
+                assert {e["ep"] for e in events} == {1, 2}
+            jsonschema.validate(json.loads(text_of(events)), schema)
+            ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=4000, grammar=grammar, **params)
+            assert ids_of(await read_events(redis_client, keys, ref, timeout=60)) == ids_of(events)
+    finally:
+        for p in procs:
+            p.stop()

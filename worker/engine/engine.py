@@ -33,6 +33,7 @@ from worker.engine import attention
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
+from worker.engine.grammar import GrammarError, Grammars
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.logprobs import MAX_TOP_LOGPROBS, TokenText, entry as logprob_entry
 from worker.engine.model_support import check_supported
@@ -92,6 +93,8 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._logits_width = model.get_output_embeddings().weight.shape[0]   # a seeded token's noise
+        self.runner.grammars = self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.runner.eos_ids,
+                                                        config.max_batch, self.device)
         self._by_rid: dict[str, Sequence] = {}
         self._token_text = TokenText(tokenizer)   # logprobs: tokens as text
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
@@ -186,10 +189,19 @@ class Engine:
         if p.temperature > 0 and p.seed is not None:
             generator = make_generator(p.seed, self.config.device)
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
+        matcher = None
+        if p.grammar is not None:
+            try:
+                matcher = self.grammars.matcher(p.grammar)
+            except GrammarError as exc:
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}") from None
+            # a continuation: the grammar is where the delivered tokens left it
+            if not all(matcher.accept(token) for token in req.generated_ids):
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
         seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals,
                        tokens=context, cache_root=prefix_root(self._cache_root, req.cache_salt)
-                       if req.cache_salt else self._cache_root)
+                       if req.cache_salt else self._cache_root, grammar=matcher)
         self._arrivals += 1
         if seq.top_logprobs >= 0:
             self.runner.logprobs.asking += 1
@@ -276,7 +288,7 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, eos: bool) -> FinishReason | None:
         """Why the request ends after its latest token (`eos`: that token ends sequences), if it does."""
-        if eos or seq.detok.stopped:
+        if eos or seq.detok.stopped or (seq.grammar is not None and seq.grammar.done):
             return "stop"
         if seq.completion_tokens >= seq.max_tokens:
             return "length"
@@ -287,10 +299,12 @@ class Engine:
         seq.tokens.append(token)
         seq.new_tokens += 1
         eos = self._ends(seq, token)
+        if seq.grammar is not None and not eos and not seq.grammar.accept(token):
+            raise RuntimeError(f"sampled token {token} breaks the request's grammar")
         text = seq.detok.finish() if eos else seq.detok.add(token)
         reason = self._finish_reason(seq, eos)
         if reason is not None:
-            if reason == "length":
+            if reason == "length" or (not eos and seq.grammar is not None and seq.grammar.done):
                 text += seq.detok.finish()
             self._forget(seq)
         n = seq.completion_base + seq.new_tokens

@@ -47,6 +47,7 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.seed()
         self.eos_ids: set[int] = set()  # masked for requests with ignore_eos
+        self.grammars = None   # worker.engine.grammar.Grammars, set by the engine
         pin = device.type == "cuda"
         # host staging: [ids, positions, pool rows, lengths, table rows] per token and the slots of
         # the sampled rows, copied to the device in one transfer
@@ -148,6 +149,8 @@ class ModelRunner:
             if self.eos_ids and params.host[:, MASK_EOS].any():   # ignore_eos rows never sample EOS
                 eos = self._eos_tensor()
                 logits[:, eos] = logits[:, eos].masked_fill(params.dev[:, MASK_EOS, None] > 0, float("-inf"))
+            if self.grammars is not None:   # structured output: constrained rows' masks, on the device
+                self.grammars.apply_masks(logits, sampled)
             tokens = sample(logits, params, self.shared_generator)
             if asked is not None:
                 ids, self.last_logprobs = self.logprobs.finish(asked, tokens)

@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from worker.engine.detokenize import IncrementalDetokenizer
+    from worker.engine.grammar import Matcher
     from worker.engine.types import EngineRequest
 
 Lane = Literal["interactive", "batch"]
@@ -44,6 +45,8 @@ class Sequence:
     block_names: list[bytes] = field(default_factory=list)
     published: int = 0
     cached_tokens: int = 0
+    # structured output: the request's matcher (worker.engine.grammar), None when unconstrained
+    grammar: "Matcher | None" = None
     # Copied from the request once: read for every row of every step (plain attributes, not
     # properties over `req`, because at a few hundred rows per step each lookup is host time).
     rid: str = field(init=False)
