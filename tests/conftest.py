@@ -41,3 +41,18 @@ def tiny_model_dir(tmp_path_factory):
     """Path of a tiny random-weight model (real SmolLM2 tokenizer); set MODEL_PATH to it for workers."""
     from tests.tiny_model import make_tiny_model_dir
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (SmolLM2's), for engine tests."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """An in-memory tiny random Llama (tests.tiny_model.tiny_llama), fresh per module: the engine
+    may fuse or quantize a model's layers in place, so modules do not share one."""
+    from tests.tiny_model import tiny_llama
+    return tiny_llama(tokenizer)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from shared.errors import ErrorCode
 from shared.streams import SamplingParams
-from tests.tiny_model import tiny_llama
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
 from worker.engine.detokenize import IncrementalDetokenizer
 
@@ -23,16 +21,6 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived a dragon who loved tea and long walks.",
     "1 2 3 4 5 6 7 8 9 10 11 12",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(tokenizer)
 
 
 def ids(tokenizer, text):

@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from shared.streams import SamplingParams
-from tests.tiny_model import tiny_llama
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
 from worker.engine.logprobs import LogprobGather
 
 PROMPTS = ["Hello there, how are you doing today?", "The quick brown fox jumps over the lazy dog.", "Hi",
            "Once upon a time, in a land far away"]
 TOL = 2e-4      # the engine's decoder vs transformers' forward: same math, another order of sums
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(tokenizer)
 
 
 def run(engine, requests):

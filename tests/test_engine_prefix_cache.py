@@ -8,11 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from shared.streams import SamplingParams
 from tests.engine_families import FAMILIES, assert_prefix_caching_exact
-from tests.tiny_model import tiny_llama
 from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.engine.block_pool import BlockPool, extend_names, prefix_root
 from worker.engine.kv_cache import PagedKVCache
@@ -267,16 +265,6 @@ def test_family_prefix_caching_equals_generate(family):
     tokens are generate()'s alone (sliding windows included)."""
     torch.manual_seed(0)
     assert_prefix_caching_exact(FAMILIES[family]().eval(), 12, family)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(tokenizer)
 
 
 def _generate(model, prompt, n):
