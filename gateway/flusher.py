@@ -17,6 +17,7 @@ class Pending:
     text: str
     tokens: int
     seq: int
+    logprobs: list | None = None    # the tokens' logprob entries (shared.streams `lp`), when asked
 
 
 class ChunkBuffer:
@@ -26,12 +27,17 @@ class ChunkBuffer:
         self._parts: list[str] = []
         self._tokens = 0
         self._seq = 0
+        self._logprobs: list | None = None
         self._since: float | None = None    # when the oldest buffered token arrived
         self._last_flush: float | None = None
 
-    def add(self, text: str, tokens: int, seq: int, now: float) -> None:
+    def add(self, text: str, tokens: int, seq: int, now: float, logprobs: list | None = None) -> None:
         if text:
             self._parts.append(text)
+        if logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(logprobs)
         self._tokens += tokens
         self._seq = max(self._seq, seq)
         if self._since is None:
@@ -63,7 +69,8 @@ class ChunkBuffer:
         """Everything buffered as one chunk (also used to drain before `done`)."""
         if self._since is None:
             return None
-        out = Pending("".join(self._parts), self._tokens, self._seq)
+        out = Pending("".join(self._parts), self._tokens, self._seq, self._logprobs)
+        self._logprobs = None
         self._parts.clear()
         self._tokens = 0
         self._since = None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from gateway.flusher import Pending
 from shared.errors import RETRYABLE, ErrorCode
-from shared.protocol import Chunk, Done, Usage
+from shared.protocol import Chunk, Done, TokenLogprob, TopLogprob, Usage
 
 if TYPE_CHECKING:
     from gateway.request_state import RequestState
@@ -19,7 +19,16 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 def chunk_frame(client_id: str, pending: Pending) -> Chunk:
-    return Chunk(id=client_id, seq=pending.seq, text=pending.text, tokens=pending.tokens)
+    logprobs = None if pending.logprobs is None else [token_logprob(e) for e in pending.logprobs]
+    return Chunk(id=client_id, seq=pending.seq, text=pending.text, tokens=pending.tokens, logprobs=logprobs)
+
+
+def token_logprob(entry) -> TokenLogprob:
+    """A worker's logprob entry [token, logprob, [[token, logprob], ...], text_offset] as sent to
+    clients; `bytes` are the token string's UTF-8 (vLLM's rule)."""
+    token, logprob, top, offset = entry
+    return TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), text_offset=offset,
+                        top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top])
 
 
 def done_frame(req: RequestState, now: float) -> Done:

@@ -85,8 +85,10 @@ class Hub:
         self.resumer = Resumer(self.submitter)
         try:
             await self.liveness.beat()
+            if self.router.enabled:   # route from the first request, not from housekeeping's first tick
+                await self.router.refresh()
         except (RedisError, OSError) as exc:
-            log.warning("first liveness beat failed (%s); housekeeping retries", exc)
+            log.warning("first liveness beat or registry read failed (%s); housekeeping retries", exc)
         self.reader.start()
         self.bookkeeper.start()
         self.heartbeats.start()

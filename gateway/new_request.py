@@ -35,6 +35,7 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.logs import rid_of
 from shared.protocol import MIN_ANONYMOUS_IDEMPOTENCY_CHARS, Generate
 from shared.streams import RequestEntry, SamplingParams
+from shared.structured import grammar_for
 
 
 log = logging.getLogger("gateway.requests")
@@ -88,13 +89,16 @@ class RequestStarter:
             raise
         rid = rid or secrets.token_hex(16)       # 128 random bits: the secret a `resume` must present
         req = requests.open(cid, rid, key_id)    # subscribed before it is queued
-        messages = [m.model_dump() for m in msg.messages] if msg.messages is not None else None
+        messages = [m.model_dump(exclude_none=True) for m in msg.messages] if msg.messages is not None else None
         entry = RequestEntry(
             rid=rid,
             params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop)),
+                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop),
+                                  grammar=grammar_for(msg.response_format, msg.tools, msg.tool_choice),
+                                  logprobs=(msg.top_logprobs or 0) if msg.logprobs else None),
             prompt=msg.prompt,
             messages=messages,
+            tools=[t.model_dump(exclude_none=True) for t in msg.tools] if msg.tools and msg.tool_choice != "none" else None,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,
             route=self.router.pick(msg.prompt_cache_key, msg.prompt, messages),
         )

@@ -44,11 +44,13 @@ from starlette.types import Receive, Scope, Send
 from gateway.auth import bearer_token
 from gateway.hub import Hub
 from gateway.new_request import AlreadyStarted
+from gateway.openai_logprobs import CHAT_TOP_MAX, COMPLETIONS_TOP_MAX, chat_logprobs, completion_logprobs
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.sender import Sender, WakeEvent
 from gateway.sessions import Sessions, StreamingSession
 from gateway.socket_io import SHUTDOWN_REASON
+from gateway import openai_structured as structured
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Accepted, Chunk, Done, Error, Heartbeat, Resume, parse_client_message
 from shared.logs import rid_of
@@ -108,7 +110,7 @@ class APIError(Exception):
 #   * accepted and ignored: it cannot change the answer (`IGNORED` below) — vLLM's stance, so
 #     that what SDKs and frameworks send by default works;
 #   * refused unless neutral: a value that would change the answer and that this server cannot
-#     honour (`n > 1`, tools, logprobs, penalties, ...) is a 400 `unsupported_parameter` naming
+#     honour (`n > 1`, penalties, ...) is a 400 `unsupported_parameter` naming
 #     it; the value that changes nothing (`n: 1`, `tools: []`, penalties 0, ...) is accepted.
 # A field this list does not know is refused too (extra="forbid"): nothing unknown is ignored.
 
@@ -122,7 +124,7 @@ IGNORED: dict[str, str] = {
     "prompt_cache_retention": "a cache-retention hint",
     "verbosity": "a style hint to OpenAI's GPT-5 models; the served model has no such control",
     "reasoning_effort": "the served model does not reason",
-    "parallel_tool_calls": "tools are not supported, so there is nothing to call in parallel",
+    "parallel_tool_calls": "the calls the model writes are all returned; a forced call is one call",
     "prediction": "predicted output only speeds OpenAI up; the answer is the same",
 }
 
@@ -176,6 +178,7 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: str | list[str]
+    response_format: dict | None = None
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
@@ -194,19 +197,13 @@ _COMMON_NEUTRAL: dict[str, Any] = {
     "logit_bias": lambda v: not v,                              # null or {}
 }
 _CHAT_NEUTRAL: dict[str, Any] = {
-    "logprobs": lambda v: v in (None, False),                   # (logprobs: true comes with #28 item 2)
-    "top_logprobs": lambda v: v is None,
-    "tools": lambda v: not v,                                   # null or []
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v in (None, {"type": "text"}),
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "web_search_options": lambda v: v is None,
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
-    "logprobs": lambda v: v is None,
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,                                  # null or ""
@@ -239,10 +236,9 @@ _MESSAGE_ECHO_EMPTY: dict[str, Any] = {
     "refusal": lambda v: v is None,
     "audio": lambda v: v is None,
     "function_call": lambda v: v is None,
-    "tool_calls": lambda v: not v,                              # null or []
     "annotations": lambda v: v is None or isinstance(v, list),
 }
-_MESSAGE_KEYS = {"role", "content", "name", *_MESSAGE_ECHO_EMPTY}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", *_MESSAGE_ECHO_EMPTY}
 
 
 def _chat_messages(raw: list[dict]) -> list[dict]:
@@ -255,13 +251,16 @@ def _chat_messages(raw: list[dict]) -> list[dict]:
             raise _unsupported(f"messages[{i}].{sorted(extra)[0]}")
         for name, is_empty in _MESSAGE_ECHO_EMPTY.items():
             if not is_empty(m.get(name)):
-                raise _unsupported(f"messages[{i}].{name}", "must be null or empty: this server supports text "
-                                                            "messages only (no tool calls, audio or refusals)")
+                raise _unsupported(f"messages[{i}].{name}", "must be null or empty: this server takes text "
+                                                            "and tool calls only (no audio or refusals)")
         role = {"developer": "system"}.get(m.get("role"), m.get("role"))
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise _unsupported(f"messages[{i}].role", f"{m.get('role')!r} is not supported (system, developer, "
-                                                      "user, assistant; tools are not supported)")
+                                                      "user, assistant, tool)")
         content = m.get("content")
+        calls = m.get("tool_calls") or None
+        if content is None and role == "assistant" and calls:    # a message that only called tools
+            content = ""
         if isinstance(content, list):   # content parts: only text
             texts = []
             for part in content:
@@ -271,7 +270,7 @@ def _chat_messages(raw: list[dict]) -> list[dict]:
             content = "".join(texts)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **structured.tool_fields(m, role, calls, i, APIError)})
     return out
 
 
@@ -292,7 +291,7 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
             raise _unsupported(param, "is not a recognized or supported parameter") from None
         raise APIError(400, f"{param}: {err['msg']}", param=param) from None
     _check_common(body)
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = structured.structured_fields(body, APIError)
     if isinstance(body, ChatBody):
         _check_neutral(body, _CHAT_NEUTRAL)
         fields["messages"] = _chat_messages(body.messages)
@@ -306,6 +305,7 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
             prompt = prompt[0]
         fields["prompt"] = prompt
         max_tokens = body.max_tokens
+    fields.update(_logprob_fields(body))
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
                         ("seed", body.seed), ("stop", stop), ("priority", body.priority),
@@ -313,6 +313,25 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
         if value is not None:
             fields[name] = value
     return body, fields
+
+
+_INVALID = ErrorCode.INVALID_REQUEST.value
+
+
+def _logprob_fields(body: _Body) -> dict:
+    """Chat `logprobs: true` + `top_logprobs` (0-20), completions `logprobs` (0-5 alternatives)
+    -> the protocol's `logprobs` / `top_logprobs`."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code=_INVALID)
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= CHAT_TOP_MAX:
+            raise APIError(400, f"'top_logprobs' must be 0 to {CHAT_TOP_MAX}", param="top_logprobs", code=_INVALID)
+        return {"logprobs": True, "top_logprobs": body.top_logprobs or 0} if body.logprobs else {}
+    if body.logprobs is None:
+        return {}
+    if not 0 <= body.logprobs <= COMPLETIONS_TOP_MAX:
+        raise APIError(400, f"'logprobs' must be 0 to {COMPLETIONS_TOP_MAX}", param="logprobs", code=_INVALID)
+    return {"logprobs": True, "top_logprobs": body.logprobs}
 
 
 # ---------------------------------------------------------------- the response ("socket")
@@ -331,7 +350,9 @@ def done_error(done: Done) -> APIError | None:
     raise `APIError` on a stream's `{"error": ...}` event), so the truncation is never silent."""
     if done.finish_reason == "error":
         err = done.error or {}
-        return APIError.from_code(err.get("code", "internal"), err.get("message", ""))
+        error = APIError.from_code(err.get("code", "internal"), err.get("message", ""))
+        error.param = structured.refusal_param(error.code, error.message)
+        return error
     if done.finish_reason == "cancelled":
         return APIError(410, f"the request was cancelled (its client disconnected or cancelled it) after "
                              f"{done.usage.completion_tokens} tokens; its output ends here, incomplete",
@@ -353,8 +374,9 @@ class OpenAIResponse:
     HOLD_HEADERS = True      # False: the 200 goes out at the request's acceptance (a test compares the two)
 
     def __init__(self, send: Send, *, oai_id: str, model: str, stream: bool, include_usage: bool,
-                 role_chunk: bool, headers: list[tuple[bytes, bytes]] | None = None):
+                 role_chunk: bool, headers: list[tuple[bytes, bytes]] | None = None, tools=None):
         self._send = send
+        self.tools = tools                   # a gateway.tool_calls parser when the request has tools
         self.oai_id = oai_id
         self.chat = oai_id.startswith(CHAT_PREFIX)
         self.model = model
@@ -367,6 +389,7 @@ class OpenAIResponse:
         self.ended = asyncio.Event()
         self.broken = False                  # a write failed: the client is gone
         self.parts: list[str] = []           # stream: false
+        self.logprobs: list | None = None     # stream: false, when the chunks carry logprobs
         self.done: Done | None = None
         self.error: Error | None = None
         # stream: true — the 200's headers and what was written before the first event, held
@@ -395,10 +418,17 @@ class OpenAIResponse:
         # so the Sender's heartbeat clock advances instead of firing again at once
         self.last_send = time.monotonic()
         if isinstance(msg, Chunk):
-            if self.stream:
-                await self._event(self._chunk(msg.text, None), msg.seq, commit=True)
+            if self.stream and self.tools is not None:    # text and tool call deltas
+                await self._event(self._chunk(None, None, delta=structured.delta(*self.tools.feed(msg.text)),
+                                              logprobs=msg.logprobs), msg.seq, commit=True)
+            elif self.stream:
+                await self._event(self._chunk(msg.text, None, logprobs=msg.logprobs), msg.seq, commit=True)
             else:
                 self.parts.append(msg.text)
+                if msg.logprobs is not None:
+                    if self.logprobs is None:
+                        self.logprobs = []
+                    self.logprobs.extend(msg.logprobs)
         elif isinstance(msg, Done):
             self.done = msg
             if self.stream and (self.committed or done_error(msg) is None):
@@ -424,13 +454,18 @@ class OpenAIResponse:
 
     # building events -------------------------------------------------------
 
-    def _chunk(self, text: str | None, finish: str | None, *, role: bool = False) -> dict:
+    def _chunk(self, text: str | None, finish: str | None, *, role: bool = False, logprobs: list | None = None,
+               delta: dict | None = None) -> dict:
         if self.chat:
-            delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
+                      "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "",
+                      "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
+                      "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
@@ -439,7 +474,12 @@ class OpenAIResponse:
         if error is not None:
             await self._event(error.body(), done.seq, commit=True)
         else:
-            await self._event(self._chunk(None, done.finish_reason), done.seq, commit=True)
+            if self.tools is not None:
+                rest = structured.delta(*self.tools.finish())
+                if rest:
+                    await self._event(self._chunk(None, None, delta=rest), done.seq, commit=True)
+            await self._event(self._chunk(None, structured.finish_reason(self.tools, done.finish_reason)), done.seq,
+                              commit=True)
             if self.include_usage:
                 usage = usage_of(done)
                 await self._event({**self._chunk(None, None), "choices": [], "usage": usage}, done.seq)
@@ -459,11 +499,13 @@ class OpenAIResponse:
             return error.status, error.body()
         text = "".join(self.parts)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": self.done.finish_reason}
+            lp = chat_logprobs(self.logprobs) if self.logprobs is not None else None
+            choice = {"index": 0, "message": structured.message(self.tools, text), "logprobs": lp,
+                      "finish_reason": structured.finish_reason(self.tools, self.done.finish_reason)}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.done.finish_reason}
+            lp = completion_logprobs(self.logprobs) if self.logprobs is not None else None
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.done.finish_reason}
             obj = "text_completion"
         return 200, {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model,
                      "choices": [choice], "usage": usage_of(self.done)}
@@ -526,8 +568,9 @@ class RunRequest(Response):
     """Drives one accepted request to its end over HTTP, with the WebSocket path's Sender."""
 
     def __init__(self, hub: Hub, requests: RequestTable, wake: WakeEvent, req: RequestState, *, model: str,
-                 stream: bool, include_usage: bool, resumable: bool):
+                 stream: bool, include_usage: bool, resumable: bool, tools=None):
         self.hub, self.requests, self.wake, self.req = hub, requests, wake, req
+        self.tools = tools
         self.model, self.stream, self.include_usage, self.resumable = model, stream, include_usage, resumable
         self.background = None
 
@@ -535,7 +578,7 @@ class RunRequest(Response):
         hub, req = self.hub, self.req
         request_id = req.rid.encode()
         out = OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
-                             include_usage=self.include_usage, role_chunk=req.seq == 0, headers=[
+                             include_usage=self.include_usage, role_chunk=req.seq == 0, tools=self.tools, headers=[
                                  (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                                  (b"x-accel-buffering", b"no"), (b"x-request-id", request_id)])
         sender = Sender(out, self.requests, self.wake, hub.settings, hub.metrics)
@@ -650,7 +693,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         return exc.response()
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return RunRequest(hub, requests, wake, req, model=model, stream=body.stream, include_usage=include_usage,
-                      resumable=body.resumable)
+                      resumable=body.resumable, tools=structured.parser_for(body))
 
 
 async def chat_completions(request: Request) -> Response:

@@ -203,7 +203,7 @@ class RequestTable:
         was_empty = req.buffer.empty
         for ev in events:
             if ev.get("k") == "tok":
-                req.buffer.add(ev.get("text") or "", int(ev.get("n") or 0), int(ev["seq"]), now)
+                req.buffer.add(ev.get("text") or "", int(ev.get("n") or 0), int(ev["seq"]), now, ev.get("lp"))
         if was_empty or req.final is not None or req.buffer.due(now):
             self._wake.set()
 

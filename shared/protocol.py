@@ -18,6 +18,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from shared.errors import ErrorCode, ProtocolError
+from shared.structured import ResponseFormat, Tool, ToolCall, ToolChoice, check_tools, tool_mode
 
 PROTOCOL_VERSION = 1
 JSON_SUBPROTOCOL = "llm-stream.json"
@@ -57,8 +58,20 @@ def _check_id(value: str) -> str:
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    # tool calling (shared.structured): the calls an assistant message made, and the call a
+    # `tool` message answers
+    tool_calls: list[ToolCall] | None = Field(None, max_length=64)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries 'tool_calls'")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a 'tool' message, and only one, names the call it answers in 'tool_call_id'")
+        return self
 
 
 class Generate(_ClientMsg):
@@ -80,6 +93,13 @@ class Generate(_ClientMsg):
     # requests with the same key go to the same worker while it has room, so the prompt prefix
     # they share is in its KV cache (OpenAI's `prompt_cache_key`; docs/protocol.md)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
+    # structured output (the tokens follow a JSON grammar) and tool calling (shared.structured)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=64)
+    tool_choice: ToolChoice | None = None
+    # per output token its logprob, and this many most likely alternatives (OpenAI's chat fields)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     _id = field_validator("id")(_check_id)
 
@@ -96,6 +116,11 @@ class Generate(_ClientMsg):
             raise ValueError("give exactly one of 'messages' or 'prompt'")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        check_tools(self.tools, self.tool_choice, self.messages is not None)
+        if tool_mode(self.tools, self.tool_choice) == "forced" and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("'response_format' and a tool_choice that forces a call cannot be combined")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self
 
     def prompt_chars(self) -> int:
@@ -150,6 +175,19 @@ class Usage(BaseModel):
     total_ms: float | None = None
 
 
+class TopLogprob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token: str
+    logprob: float
+    bytes: list[int]                 # the token's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    """One output token: OpenAI's chat `logprobs.content[i]`, plus where its text starts."""
+    top_logprobs: list[TopLogprob]
+    text_offset: int                 # the lengths of the output's token strings before it
+
+
 class Accepted(_Msg):
     type: Literal["accepted"] = "accepted"
     id: str
@@ -164,6 +202,7 @@ class Chunk(_Msg):
     seq: int
     text: str
     tokens: int
+    logprobs: list[TokenLogprob] | None = None    # requests that ask: one per token of this chunk
 
 
 class Done(_Msg):

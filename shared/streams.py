@@ -117,6 +117,11 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # structured output: a grammar the tokens must follow (worker.engine.grammar: {"type":
+    # "json_object"} or {"type": "json_schema", "schema": {...}}); None: free text
+    grammar: dict | None = None
+    # per output token its logprob and this many most likely alternatives (0-20); None: none
+    logprobs: int | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -130,7 +135,8 @@ class RequestEntry:
     rid: str
     params: SamplingParams
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict] | None = None    # chat: the functions the model may call (rendered by its chat template)
     priority: Literal["interactive", "batch"] = "interactive"
     created_ms: int = 0
     key_id: str = ""
@@ -142,6 +148,12 @@ class RequestEntry:
         fields = asdict(self)
         if not fields["route"]:
             del fields["route"]     # what workers older than routing can read
+        if fields["tools"] is None:
+            del fields["tools"]
+        if fields["params"]["grammar"] is None:
+            del fields["params"]["grammar"]   # a worker older than structured output can read it
+        if fields["params"]["logprobs"] is None:
+            del fields["params"]["logprobs"]    # what workers older than logprobs can read
         return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
@@ -176,6 +188,10 @@ class RequestEntry:
             raise ValueError("bad top_k")
         if not isinstance(p.stop, list) or not all(isinstance(s, str) and s for s in p.stop):
             raise ValueError("bad stop")
+        if p.grammar is not None and not isinstance(p.grammar, dict):
+            raise ValueError("bad grammar")
+        if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= 20):
+            raise ValueError("bad logprobs")
         return entry
 
 
@@ -185,6 +201,8 @@ _ENTRY_FIELDS = {f for f in RequestEntry.__dataclass_fields__ if f != "params"}
 # ---- events (v2) ---------------------------------------------------------------------------
 # Token event:  {"v":2,"k":"tok","rid","seq":S,"n":N,"ids":[N ids],"text","ep","ms"}: tokens S-N+1..S
 #               (`seq` = tokens delivered so far; `text` may be "" while ids advance).
+#               A request that asks for logprobs adds "lp": [N entries], one per id:
+#               [token, logprob, [[token, logprob], ...top], text_offset] (worker.engine.logprobs).
 # Final events: {"v":2,"k":"done","rid","seq","finish_reason","usage","ep","ms"}
 #               (usage: prompt_tokens, completion_tokens, cached_tokens when the prefix cache
 #               served some, ttft_ms when a token was produced)
@@ -200,9 +218,12 @@ def _pack(obj: dict) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int) -> bytes:
-    return _pack({"v": EVENT_VERSION, "k": "tok", "rid": rid, "seq": seq, "n": len(ids), "ids": ids,
-                  "text": text, "ep": ep, "ms": ms})
+def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int, lp: list | None = None) -> bytes:
+    event = {"v": EVENT_VERSION, "k": "tok", "rid": rid, "seq": seq, "n": len(ids), "ids": ids,
+             "text": text, "ep": ep, "ms": ms}
+    if lp is not None:
+        event["lp"] = lp
+    return _pack(event)
 
 
 def encode_done(rid: str, seq: int, finish_reason: str, prompt_tokens: int, completion_tokens: int,

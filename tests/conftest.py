@@ -44,6 +44,21 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (SmolLM2's), for engine tests."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """An in-memory tiny random Llama (tests.tiny_model.tiny_llama), fresh per module: the engine
+    may fuse or quantize a model's layers in place, so modules do not share one."""
+    from tests.tiny_model import tiny_llama
+    return tiny_llama(tokenizer)
+
+
+@pytest.fixture(scope="module")
 def stack(request, redis_server, tmp_path_factory):
     """The module's gateway+worker stack (tests.stack_fixtures.Stack), as its `STACK` spec says."""
     from tests.stack_fixtures import worker_stack

@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from shared.streams import SamplingParams
 from tests.engine_families import FAMILIES, assert_prefix_caching_exact
@@ -266,21 +265,6 @@ def test_family_prefix_caching_equals_generate(family):
     tokens are generate()'s alone (sliding windows included)."""
     torch.manual_seed(0)
     assert_prefix_caching_exact(FAMILIES[family]().eval(), 12, family)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.1, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 def _generate(model, prompt, n):

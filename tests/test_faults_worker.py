@@ -81,19 +81,24 @@ def ids_of(events: list[dict]) -> list[int]:
     return [i for e in events if e["k"] == "tok" for i in e["ids"]]
 
 
+def logprobs_of(events: list[dict]) -> list[list]:
+    return [lp for e in events if e["k"] == "tok" for lp in e["lp"]]
+
+
 async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_server, redis_client, stream_prefix,
                                                                           tiny_model_dir, tmp_path):
     """A claiming worker continues from prompt + the delivered token ids: random (unseeded)
     sampling finishes too (no worker_lost), and what the client holds is exactly what was delivered
     before the kill followed by what was generated after; greedy and seeded runs still equal an
-    uninterrupted run on CPU."""
+    uninterrupted run on CPU. The greedy one asks for logprobs: the continuation's entries go on
+    where the first run's stopped (text offsets included) and equal the uninterrupted run's."""
     from transformers import AutoTokenizer
     keys = Keys(stream_prefix)
     gw = "g-kill"
     procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, FAST_CLAIM)
     try:
         greedy, seeded, rnd = new_rid(), new_rid(), new_rid()
-        await submit_together(redis_client, keys, [entry(greedy, max_tokens=600, temperature=0.0),
+        await submit_together(redis_client, keys, [entry(greedy, max_tokens=600, temperature=0.0, logprobs=2),
                                                    entry(seeded, max_tokens=600, temperature=0.9, seed=7),
                                                    RequestEntry(rid=rnd, params=SamplingParams(max_tokens=600,
                                                                                                temperature=1.0),
@@ -136,7 +141,7 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         filled = {e["seq"] for e in ev_rnd} - {e["seq"] for e in live[rnd]}
         assert all(e["ep"] == 1 for e in ev_rnd if e["seq"] in filled), "only the dead worker's last write may miss live"
         # deterministic ones finish seamlessly: seq continues, text identical to an uninterrupted run
-        for rid, params in ((greedy, dict(temperature=0.0)), (seeded, dict(temperature=0.9, seed=7))):
+        for rid, params in ((greedy, dict(temperature=0.0, logprobs=2)), (seeded, dict(temperature=0.9, seed=7))):
             events = ev_greedy if rid == greedy else ev_seeded
             assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "length"
             check_seqs(events)
@@ -144,6 +149,12 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
             ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=600, **params)
             ref_events = await read_events(redis_client, keys, ref, timeout=60)
             assert text_of(events) == text_of(ref_events) and ids_of(events) == ids_of(ref_events)
+            if rid == greedy:   # logprobs across the hand-over: one entry per token, offsets continuous
+                got, want = logprobs_of(events), logprobs_of(ref_events)
+                assert len(got) == len(ids_of(events)) == 600
+                assert [(e[0], e[3], [t for t, _ in e[2]]) for e in got] == \
+                    [(e[0], e[3], [t for t, _ in e[2]]) for e in want]
+                assert all(abs(a[1] - b[1]) < 1e-3 for a, b in zip(got, want))
             # the claiming worker stamps the next epoch (meta.epoch bumped on claim)
             assert {e["ep"] for e in events} == {1, 2} and events[-1]["ep"] == 2
         # all three continued from their delivered tokens (none recomputed from the start, none lost)
@@ -736,3 +747,44 @@ async def test_redis_refusing_writes_loses_no_output_and_ends_the_request_typed(
         proc.stop()
         await client.aclose()
         server.stop()
+
+
+async def test_a_constrained_request_continues_on_another_worker(redis_server, redis_client, stream_prefix,
+                                                                 tiny_model_dir, tmp_path):
+    """Structured output across a SIGKILL: the claiming worker rebuilds the grammar's matcher by
+    replaying the delivered tokens, so the document is finished under the same schema (and, greedy
+    or seeded, is the very document an uninterrupted run writes)."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 10000, "maxLength": 10200},
+                                               "color": {"enum": ["red", "green"]}}, "required": ["text", "color"]}
+    grammar = {"type": "json_schema", "schema": schema}
+    keys = Keys(stream_prefix)
+    procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, {**FAST_CLAIM, "MAX_SEQ_LEN": 8192})
+    try:
+        greedy, seeded = new_rid(), new_rid()
+        await submit_together(redis_client, keys, [entry(greedy, max_tokens=4000, temperature=0.0, grammar=grammar),
+                                                   entry(seeded, max_tokens=4000, temperature=0.9, seed=7,
+                                                         grammar=grammar)])
+        await wait_for_tokens(redis_client, keys, greedy, 20)
+        owner = await owner_of(redis_client, keys, greedy)
+        victim = next(p for p, name in zip(procs, ("wa", "wb")) if name == owner)
+        [engine] = engine_pids(victim.pid)
+        victim.signal(signal.SIGKILL)
+        victim.popen.wait(10)
+        assert await eventually(lambda: not pid_alive(engine), timeout=10), "the engine process outlived its worker"
+        for rid, params in ((greedy, dict(temperature=0.0)), (seeded, dict(temperature=0.9, seed=7))):
+            before = await history(redis_client, keys, rid)
+            events = await read_events(redis_client, keys, rid, timeout=60)
+            assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "stop", events[-1]
+            check_seqs(events)
+            if rid == greedy:   # (the seeded one may not have started, or have run elsewhere)
+                assert before and before[-1]["k"] == "tok", f"finished before the kill ({len(ids_of(before))} tokens)"
+                assert {e["ep"] for e in events} == {1, 2}
+            jsonschema.validate(json.loads(text_of(events)), schema)
+            ref = await submit(redis_client, keys, prompt=PROMPT, max_tokens=4000, grammar=grammar, **params)
+            assert ids_of(await read_events(redis_client, keys, ref, timeout=60)) == ids_of(events)
+    finally:
+        for p in procs:
+            p.stop()

@@ -112,9 +112,9 @@ async def test_errors_have_openai_shape_and_status(redis_server, oai_stack):
         client = oai(gw, key)
         cases = [
             (dict(n=2), openai.BadRequestError, "unsupported_parameter", "n"),
-            (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-             openai.BadRequestError, "unsupported_parameter", "tools"),
-            (dict(logprobs=True), openai.BadRequestError, "unsupported_parameter", "logprobs"),
+            (dict(functions=[{"name": "f", "parameters": {}}]),
+             openai.BadRequestError, "unsupported_parameter", "functions"),
+            (dict(logprobs=True, top_logprobs=21), openai.BadRequestError, "invalid_request", "top_logprobs"),
             (dict(extra_body={"frobnicate": 1}), openai.BadRequestError, "unsupported_parameter", "frobnicate"),
             (dict(max_tokens=65), openai.BadRequestError, "max_tokens_too_large", None),
             (dict(temperature=3.0), openai.BadRequestError, "invalid_request", None),

@@ -38,7 +38,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "clients.md"
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 PROMPT = "Once upon a time"
-MAX_PROMPT_TOKENS = 200
+MAX_PROMPT_TOKENS = 350   # room for a prompt that lists tools; the context_too_long probe sends 400+
 STATUSES = {"yes", "ignored", "refused", "no"}
 
 
@@ -137,7 +137,6 @@ def param(name: str, value: Any, *, endpoint: str = "chat") -> Callable[[Ctx, An
 
 
 ANSWER = {"role": "assistant", "content": "The lighthouse keeper lit the lamp."}
-CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def message_field(name: str, value: Any, *, role: str = "assistant") -> Callable[[Ctx, Any], Awaitable[str]]:
@@ -426,7 +425,57 @@ async def p_context_too_long(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
+async def p_logprobs(ctx: Ctx, _=None) -> str:
+    """Chat `logprobs` + `top_logprobs` and completions `logprobs`: one entry per token, the
+    answer unchanged (tests/test_logprobs_api.py checks the values)."""
+    chat = await ctx.chat(logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == ctx.chat_text
+    assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
+    text = await ctx.completion(logprobs=2)
+    assert text.choices[0].text == ctx.text and len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
+    return "yes"
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+    "required": ["city", "days"]}}}
+
+
+async def p_tools(ctx: Ctx, _=None) -> str:
+    r = await ctx.chat(tools=[TOOL, WEATHER], tool_choice="required", max_tokens=60)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls, r
+    r = await ctx.chat(tools=[TOOL, WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                       max_tokens=60)
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7
+    none = await ctx.chat(tools=[WEATHER], tool_choice="none")
+    assert none.choices[0].message.content == ctx.chat_text and none.choices[0].message.tool_calls is None
+    return "yes"
+
+
+async def p_tool_messages(ctx: Ctx, _=None) -> str:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    r = await ctx.chat(messages=[*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], tools=[WEATHER])
+    assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
+    return "yes"
+
+
+async def p_response_format(ctx: Ctx, _=None) -> str:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer",
+                                                                                       "minimum": 0, "maximum": 9}},
+              "required": ["answer", "n"]}
+    r = await ctx.chat(max_tokens=60, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    got = json.loads(r.choices[0].message.content)
+    assert got["answer"] in ("yes", "no") and 0 <= got["n"] <= 9 and set(got) == {"answer", "n"}
+    with pytest.raises(openai.BadRequestError) as info:
+        await ctx.chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}})
+    assert info.value.body["param"] == "response_format"
+    return "yes"
 ROUTES = ["/v1/embeddings", "/v1/responses", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech",
           "/v1/files", "/v1/batches"]
 
@@ -447,13 +496,14 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "seed": p_seed,
     "stop": p_stop,
     "finish_reason": p_finish_reason,
-    **{f"role: {r}": role(r) for r in ("system", "developer", "user", "assistant", "tool", "function")},
+    **{f"role: {r}": role(r) for r in ("system", "developer", "user", "assistant", "function")},
+    "role: tool": p_tool_messages,
     **{f'{{"type": "{k}"}}': part(k) for k in ("text", "image_url", "input_audio", "file")},
     "messages.append(message.model_dump())": p_conversation_loop,
     "message.refusal": message_field("refusal", "I can't help with that."),
     "message.audio": message_field("audio", {"id": "audio_1"}),
     "message.function_call": message_field("function_call", {"name": "f", "arguments": "{}"}),
-    "message.tool_calls": message_field("tool_calls", [CALL]),
+    "message.tool_calls": p_tool_messages,
     "message.annotations": message_field("annotations", [{"type": "url_citation", "url_citation": {
         "url": "https://example.com", "title": "Example", "start_index": 0, "end_index": 3}}]),
     "message.name": message_field("name", "alice", role="user"),
@@ -461,13 +511,13 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "presence_penalty": param("presence_penalty", 0.5),
     "frequency_penalty": param("frequency_penalty", 0.5),
     "logit_bias": param("logit_bias", {"42": 5}),
-    "logprobs": param("logprobs", True),
-    "top_logprobs": param("top_logprobs", 2),
-    "tools": param("tools", [TOOL]),
-    "tool_choice": param("tool_choice", "auto"),
+    "logprobs": p_logprobs,
+    "top_logprobs": p_logprobs,
+    "tools": p_tools,
+    "tool_choice": p_tools,
     "functions": param("functions", [TOOL["function"]]),
     "function_call": param("function_call", "auto"),
-    "response_format": param("response_format", {"type": "json_object"}),
+    "response_format": p_response_format,
     "modalities": param("modalities", ["text", "audio"]),
     "audio": param("audio", {"voice": "alloy", "format": "wav"}),
     "web_search_options": param("web_search_options", {}),

@@ -156,3 +156,59 @@ def test_out_events_round_trip_and_keys_are_hash_tagged():
     assert keys.inbox("g") == "p:{g:g}:inbox" and keys.ctl("w") == "p:{w:w}:ctl" and keys.workers == "p:{reg}:workers"
     entry = RequestEntry(rid="a", params=SamplingParams(), prompt="x", gw="g1", key_id="k")
     assert RequestEntry.decode(entry.encode()).gw == "g1"
+
+
+# ---- structured output and tools on `generate` (shared.structured)
+
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+_SCHEMA = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": _SCHEMA},
+    {"tools": [_TOOL], "tool_choice": "required"},
+    {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"messages": [{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                  {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]},
+])
+def test_structured_fields_are_accepted(fields):
+    msg = parse_client_message({"type": "generate", "id": "a", "messages": [{"role": "user", "content": "hi"}], **fields})
+    entry_params = SamplingParams()
+    assert msg.id == "a" and entry_params.grammar is None
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": "json"},                                        # strict: an object
+    {"response_format": {"type": "json_schema"}},                       # no json_schema
+    {"response_format": {"type": "json_object", "json_schema": {"name": "s"}}},
+    {"tool_choice": "required"},                                        # no tools
+    {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+    {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+    {"tools": [_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "tool", "content": "sunny"}]},               # which call does it answer?
+    {"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]},
+])
+def test_bad_structured_fields_are_invalid_requests(fields):
+    obj = {"type": "generate", "id": "a", "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(ProtocolError) as info:
+        parse_client_message(obj)
+    assert info.value.code == ErrorCode.INVALID_REQUEST
+
+
+def test_tools_need_chat_and_grammars_cross_redis():
+    with pytest.raises(ProtocolError):
+        parse_client_message({"type": "generate", "id": "a", "prompt": "x", "tools": [_TOOL]})
+    from shared.structured import grammar_for
+    msg = parse_client_message({"type": "generate", "id": "a", "messages": [{"role": "user", "content": "hi"}],
+                                "tools": [_TOOL], "tool_choice": "required"})
+    grammar = grammar_for(msg.response_format, msg.tools, msg.tool_choice)
+    assert grammar["schema"]["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    entry = RequestEntry(rid="r", params=SamplingParams(grammar=grammar), messages=[{"role": "user", "content": "hi"}],
+                         tools=[_TOOL])
+    back = RequestEntry.decode(entry.encode())
+    assert back.params.grammar == grammar and back.tools == [_TOOL]
+    plain = msgpack.unpackb(RequestEntry(rid="r", params=SamplingParams(), prompt="x").encode())
+    assert "grammar" not in plain["params"] and "tools" not in plain    # what older workers read

@@ -35,3 +35,16 @@ def make_tiny_model_dir(path: str | os.PathLike, *, layers: int = 2, hidden: int
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def tiny_llama(tokenizer, *, seed: int = 0) -> LlamaForCausalLM:
+    """An in-memory 2-layer random Llama over `tokenizer` (untied head, initializer_range 0.1 so
+    greedy outputs vary), for engine tests that compare against transformers' own forward."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()

@@ -183,7 +183,7 @@ class EngineThread:
             return []
         entry = command.entry
         try:
-            ids = build_prompt_ids(self.engine.tokenizer, entry.prompt, entry.messages)
+            ids = build_prompt_ids(self.engine.tokenizer, entry.prompt, entry.messages, entry.tools)
         except Exception as exc:
             return [error_output(entry.rid, ErrorCode.INVALID_REQUEST, f"could not build the prompt: {exc}")]
         if len(ids) > self.max_prompt_tokens:

@@ -63,6 +63,7 @@ class InFlight:
     written_seq: int = 0                 # tokens confirmed in the history stream
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
+    pending_lps: list | None = None      # logprobs of pending_ids, one entry each (requests that ask)
     pending_ms: int = 0                  # when the oldest pending output was produced
     first_token_ms: int = 0              # when the request's first token was produced (any run)
     # for the worker's metrics, set as outputs arrive (worker.metrics.request_finished)
@@ -100,6 +101,10 @@ class InFlight:
                 self.meaningful_ms = out.emitted_ms
             self.pending_ids.extend(out.token_ids)
             self.pending_text += out.text
+            if out.logprobs is not None:
+                if self.pending_lps is None:
+                    self.pending_lps = []
+                self.pending_lps.extend(out.logprobs)
         if out.finished:
             self.final_ms, self.admitted_ms = out.emitted_ms, out.admitted_ms
             self.completion_tokens, self.finish_reason = out.completion_tokens, out.finish_reason or "stop"
@@ -135,8 +140,8 @@ class InFlight:
         self.seq += n
         self.unsent.append(Frozen(history_id(self.seq, False),
                                   encode_tok(self.rid, self.seq, self.pending_ids, self.pending_text, self.epoch,
-                                             self.pending_ms), self.seq, False))
-        self.pending_ids, self.pending_text = [], ""
+                                             self.pending_ms, self.pending_lps), self.seq, False))
+        self.pending_ids, self.pending_text, self.pending_lps = [], "", None
 
     def _freeze_final(self, payload: bytes) -> None:
         if self.engine_done:  # a second final (e.g. a cancel racing the last token): keep the first

@@ -58,6 +58,7 @@ BLOCK_MS = 1000          # XREAD BLOCK of the intake loop (bounds SIGTERM reacti
 TRIM_EVERY_S = 10.0
 DEAD_CHECK_S = 0.25      # how often the registry is checked for workers whose heartbeat lapsed
 VIEW_REFRESH_S = 1.0     # how often the live peers and their room are read (routing)
+VIEW_RECHECK_S = 0.1     # at most this often again when an entry names a worker the view lacks
 CTL_MAXLEN = 10000       # a worker's control stream (MAXLEN ~)
 MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
 RECHECK_MARGIN_S = 0.05  # a contested entry is looked at again this long after the owner's lease ends
@@ -325,6 +326,13 @@ class Intake:
         and write nothing else; True when handed over. Otherwise it runs here: no request
         waits on a busy or dead worker."""
         peer = self.view.get(entry.route)
+        if peer is None and time.monotonic() - self.view_at >= VIEW_RECHECK_S:
+            # The gateway routed to a worker this view does not know: one that registered since
+            # our last read (a worker that just started), or one that died. Read again (at most
+            # every VIEW_RECHECK_S) rather than run a new worker's requests here for up to a
+            # VIEW_REFRESH_S, missing its cache each time.
+            await with_backoff(self.refresh_view, "read the worker registry", self.stopping)
+            peer = self.view.get(entry.route)
         if peer is None or peer.free_slots <= 0 or self.stopping():
             return False
 

@@ -2,7 +2,7 @@
 
 Modules: `engine` (public API, per-request updates), `scheduler` (what runs each step),
 `runner` (one forward pass + sampling), `decoder` (the forward loop over the model's own modules, fused projections), `attention` (paged attention plugged into transformers), `paged_attention` (the CUDA kernel: every token reads its blocks in place), `cuda_graphs` (decode steps replayed as graphs),
-`kv_cache`, `block_pool` (who holds which block; prefix caching), `sampling`, `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
+`kv_cache`, `block_pool` (who holds which block; prefix caching), `sampling`, `logprobs` (for the requests that ask), `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
 models are accepted), `host_lists` (per-row lists to tensors), `config`, `loading`.
 
 The worker owns one `Engine` in a dedicated thread (of its engine process, worker.engine_process): `add`/`cancel` between steps, `step()` in a

@@ -33,7 +33,9 @@ from worker.engine import attention
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
+from worker.engine.grammar import GrammarError, Grammars
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
+from worker.engine.logprobs import MAX_TOP_LOGPROBS, TokenText, entry as logprob_entry
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner
@@ -91,7 +93,10 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._logits_width = model.get_output_embeddings().weight.shape[0]   # a seeded token's noise
+        self.runner.grammars = self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.runner.eos_ids,
+                                                        config.max_batch, self.device)
         self._by_rid: dict[str, Sequence] = {}
+        self._token_text = TokenText(tokenizer)   # logprobs: tokens as text
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
         self._arrivals = 0
         # the last forward pass, for the worker's metrics: (rows, prompt tokens computed, decode
@@ -168,6 +173,8 @@ class Engine:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "token id outside the vocabulary")
         if p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or req.skip_tokens < 0:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "invalid sampling parameters")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
@@ -182,11 +189,23 @@ class Engine:
         if p.temperature > 0 and p.seed is not None:
             generator = make_generator(p.seed, self.config.device)
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
+        matcher = None
+        if p.grammar is not None:
+            try:
+                matcher = self.grammars.matcher(p.grammar)
+            except GrammarError as exc:
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}") from None
+            # a continuation: the grammar is where the delivered tokens left it
+            if not all(matcher.accept(token) for token in req.generated_ids):
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
         seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals,
                        tokens=context, cache_root=prefix_root(self._cache_root, req.cache_salt)
-                       if req.cache_salt else self._cache_root)
+                       if req.cache_salt else self._cache_root, grammar=matcher)
         self._arrivals += 1
+        if seq.top_logprobs >= 0:
+            self.runner.logprobs.asking += 1
+            seq.text_offset = self._token_text.length(req.generated_ids)
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
         self._by_rid[req.rid] = seq
@@ -247,11 +266,14 @@ class Engine:
             self.scheduler.cache_computed(plan)
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
-        for seq, token in zip(plan.sampled, tokens):
+        logprobs = self.runner.last_logprobs
+        for i, (seq, token) in enumerate(zip(plan.sampled, tokens)):
             if seq.finished:
                 continue
             try:
                 out = self._on_token(seq, token, now_ms)
+                if logprobs is not None and logprobs[i] is not None:
+                    self._add_logprobs(seq, token, logprobs[i], out)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
@@ -266,7 +288,7 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, eos: bool) -> FinishReason | None:
         """Why the request ends after its latest token (`eos`: that token ends sequences), if it does."""
-        if eos or seq.detok.stopped:
+        if eos or seq.detok.stopped or (seq.grammar is not None and seq.grammar.done):
             return "stop"
         if seq.completion_tokens >= seq.max_tokens:
             return "length"
@@ -277,10 +299,12 @@ class Engine:
         seq.tokens.append(token)
         seq.new_tokens += 1
         eos = self._ends(seq, token)
+        if seq.grammar is not None and not eos and not seq.grammar.accept(token):
+            raise RuntimeError(f"sampled token {token} breaks the request's grammar")
         text = seq.detok.finish() if eos else seq.detok.add(token)
         reason = self._finish_reason(seq, eos)
         if reason is not None:
-            if reason == "length":
+            if reason == "length" or (not eos and seq.grammar is not None and seq.grammar.done):
                 text += seq.detok.finish()
             self._forget(seq)
         n = seq.completion_base + seq.new_tokens
@@ -294,6 +318,14 @@ class Engine:
         return StepOutput(seq.rid, text, ids, True, reason, seq.prompt_len, n, None, None, now_ms,
                           min(seq.cached_tokens, seq.prompt_len), seq.admitted_ms)
 
+    def _add_logprobs(self, seq: Sequence, token: int, row: tuple, out: StepOutput | None) -> None:
+        """The token's logprobs onto its output (a token an earlier run delivered only moves the
+        text offset on)."""
+        offset = seq.text_offset
+        seq.text_offset += len(self._token_text(token))
+        if out is not None and out.token_ids:
+            out.logprobs = [logprob_entry(self._token_text, token, row, offset)]
+
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
             if not seq.finished:
@@ -303,6 +335,8 @@ class Engine:
     def _forget(self, seq: Sequence) -> None:
         """The request leaves the engine: its KV blocks are free (exactly once)."""
         seq.finished = True
+        if seq.top_logprobs >= 0:
+            self.runner.logprobs.asking -= 1
         self.scheduler.remove(seq)
         self._by_rid.pop(seq.rid, None)
 

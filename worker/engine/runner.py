@@ -29,6 +29,7 @@ from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from worker.engine.decoder import Decoder
 from worker.engine.host_lists import long_tensor
 from worker.engine.kv_cache import PagedKVCache, blocks_for
+from worker.engine.logprobs import LogprobGather
 from worker.engine.sampling import MASK_EOS, SamplingTable, sample
 from worker.engine.scheduler import StepPlan
 
@@ -46,6 +47,7 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.seed()
         self.eos_ids: set[int] = set()  # masked for requests with ignore_eos
+        self.grammars = None   # worker.engine.grammar.Grammars, set by the engine
         pin = device.type == "cuda"
         # host staging: [ids, positions, pool rows, lengths, table rows] per token and the slots of
         # the sampled rows, copied to the device in one transfer
@@ -53,6 +55,8 @@ class ModelRunner:
         self._host_np = self._host.numpy()   # the same memory, filled from lists at numpy's speed
         self._dev = self._host if device.type == "cpu" else torch.zeros(6, max_tokens, dtype=torch.long, device=device)
         self.sampling = SamplingTable(max_batch, device)   # per-slot sampling parameters
+        self.logprobs = LogprobGather()   # rows that ask for logprobs (nothing while none does)
+        self.last_logprobs: list | None = None   # per sampled row of the last step: its logprobs or None
         self._eos: tuple[frozenset, torch.Tensor] | None = None   # eos_ids as a device tensor
         # Block tables for the paged kernel: row `seq.slot` of each running request (the
         # scheduler hands slots out), kept across steps so a step writes only blocks added since
@@ -80,7 +84,9 @@ class ModelRunner:
                                        capture_sizes(max_batch))
 
     def execute(self, plan: StepPlan) -> list[int]:
-        """Token ids sampled for `plan.sampled`, in that order."""
+        """Token ids sampled for `plan.sampled`, in that order (their logprobs, for the rows
+        that ask, in `last_logprobs`)."""
+        self.last_logprobs = None
         bs = self.cache.block_size
         decode = plan.decode
         nd = len(decode)
@@ -139,10 +145,16 @@ class ModelRunner:
             if not ns:
                 return []
             params = self.sampling.rows(self._host_np[SLOTS, :ns], self._dev[SLOTS, :ns])
+            asked = self.logprobs.prepare(logits, sampled)   # raw logits: before the EOS mask
             if self.eos_ids and params.host[:, MASK_EOS].any():   # ignore_eos rows never sample EOS
                 eos = self._eos_tensor()
                 logits[:, eos] = logits[:, eos].masked_fill(params.dev[:, MASK_EOS, None] > 0, float("-inf"))
+            if self.grammars is not None:   # structured output: constrained rows' masks, on the device
+                self.grammars.apply_masks(logits, sampled)
             tokens = sample(logits, params, self.shared_generator)
+            if asked is not None:
+                ids, self.last_logprobs = self.logprobs.finish(asked, tokens)
+                return ids
         return tokens.tolist()
 
     def _eos_tensor(self) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from worker.engine.detokenize import IncrementalDetokenizer
+    from worker.engine.grammar import Matcher
     from worker.engine.types import EngineRequest
 
 Lane = Literal["interactive", "batch"]
@@ -44,6 +45,8 @@ class Sequence:
     block_names: list[bytes] = field(default_factory=list)
     published: int = 0
     cached_tokens: int = 0
+    # structured output: the request's matcher (worker.engine.grammar), None when unconstrained
+    grammar: "Matcher | None" = None
     # Copied from the request once: read for every row of every step (plain attributes, not
     # properties over `req`, because at a few hundred rows per step each lookup is host time).
     rid: str = field(init=False)
@@ -53,6 +56,8 @@ class Sequence:
     max_tokens: int = field(init=False)
     skip_tokens: int = field(init=False)
     ignore_eos: bool = field(init=False)
+    top_logprobs: int = field(init=False)      # logprobs: alternatives per token; -1: no logprobs
+    text_offset: int = 0                       # logprobs: the output's length in token strings so far
 
     def __post_init__(self) -> None:
         req, params = self.req, self.req.params
@@ -63,6 +68,7 @@ class Sequence:
         self.max_tokens = params.max_tokens
         self.skip_tokens = req.skip_tokens
         self.ignore_eos = req.ignore_eos
+        self.top_logprobs = -1 if params.logprobs is None else params.logprobs
 
     @property
     def completion_tokens(self) -> int:

@@ -62,3 +62,5 @@ class StepOutput:
     # final outputs: wall clock (ms) when the request first ran (its queue time ends there; 0:
     # it never ran, e.g. cancelled while waiting)
     admitted_ms: int = 0
+    # requests that ask for logprobs: one entry per id of token_ids (worker.engine.logprobs.entry)
+    logprobs: list | None = None

@@ -1,0 +1,268 @@
+"""Structured output and tool calling through the OpenAI API (issue 28 items 3 and 4), with the
+official `openai` package and LangChain's `bind_tools`, and `response_format` on the WebSocket.
+
+Real Redis, an in-process gateway, a worker running a tiny random Qwen2 whose chat template takes
+tools (tests/tool_model.py). The model's words are arbitrary, so the tests check what is enforced
+(every JSON answer validates against its schema; a required or named call is made, with
+arguments that validate against the function's parameters) and how answers are read and
+streamed, not the model's judgement.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from tests.gateway_client import GatewayClient
+from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker
+from tests.test_openai_api import sse_events
+from tests.tool_model import make_tool_model_dir
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+CITY = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city",
+                                            "parameters": CITY}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                                  "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["name", "age"]},
+        "ok": {"type": "boolean"}}, "required": ["user", "ok"]},
+    "enums-arrays": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 3}},
+        "required": ["color", "tags"]},
+}
+
+
+@pytest.fixture(scope="module")
+def tool_stack(redis_server, tmp_path_factory):
+    model_dir = make_tool_model_dir(tmp_path_factory.mktemp("tool-model") / "qwen2")
+    with prefix_with_worker(redis_server.url, model_dir, tmp_path_factory.mktemp("tool-logs"), name="w-tools") as prefix:
+        yield prefix
+
+
+@pytest.fixture
+async def gw(redis_server, tool_stack):
+    async with gateway_in_process(gateway_settings(redis_server.url, tool_stack)) as gw:
+        yield gw
+
+
+def client(gw) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=gw.base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def json_schema(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name.replace("-", "_"), "schema": SCHEMAS[name],
+                                                   "strict": True}}
+
+
+async def chat(gw, **fields):
+    return await client(gw).chat.completions.create(**{"model": MODEL, "messages": CHAT, "max_tokens": 200, **fields})
+
+
+async def streamed(gw, **fields) -> tuple[str, dict[int, dict], str | None, list]:
+    """(content, tool calls by index as accumulated from deltas, finish_reason, chunks)."""
+    content, calls, finish, chunks = "", {}, None, []
+    async for c in await chat(gw, stream=True, **fields):
+        chunks.append(c)
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or ():
+            if tc.index not in calls:    # a call's first delta: id, type and name
+                assert tc.id and tc.type == "function" and tc.function.name, tc
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments or ""}
+            else:
+                assert tc.id is None and not tc.function.name, tc
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+        finish = c.choices[0].finish_reason or finish
+    return content, calls, finish, chunks
+
+
+# ---------------------------------------------------------------- response_format
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+async def test_json_schema_answers_validate(gw, name):
+    for seed in (1, 2):
+        r = await chat(gw, response_format=json_schema(name), temperature=1.0, seed=seed)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name])
+        content, calls, finish, _ = await streamed(gw, response_format=json_schema(name), temperature=1.0, seed=seed)
+        assert content == r.choices[0].message.content and calls == {} and finish == "stop"
+
+
+async def test_json_object_and_text(gw):
+    r = await chat(gw, response_format={"type": "json_object"}, max_tokens=30, temperature=0)
+    text = r.choices[0].message.content
+    assert text.startswith("{")      # a random model need not close it within max_tokens
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    plain = await chat(gw, max_tokens=10, temperature=0)
+    same = await chat(gw, max_tokens=10, temperature=0, response_format={"type": "text"})
+    assert plain.choices[0].message.content == same.choices[0].message.content
+
+
+async def test_completions_take_response_format(gw):
+    r = await client(gw).completions.create(model=MODEL, prompt="A JSON object:", max_tokens=200, temperature=0,
+                                            extra_body={"response_format": json_schema("enums-arrays")})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS["enums-arrays"])
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema"},                                                  # no json_schema
+    {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},   # no name
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}},
+    {"type": "yaml"},
+    # the engine's compiler refuses these (the worker answers before any token)
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}},
+])
+async def test_a_bad_response_format_is_a_typed_400(gw, fmt):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            r = await chat(gw, response_format=fmt, stream=stream)
+            if stream:
+                async for _ in r:
+                    pass
+        body = info.value.body
+        assert body["type"] == "invalid_request_error" and body["param"] == "response_format", body
+
+
+# ---------------------------------------------------------------- tools
+
+def check_call(name: str, arguments: str) -> None:
+    schema = {"get_weather": CITY, "get_time": TIME["function"]["parameters"]}[name]
+    jsonschema.validate(json.loads(arguments), schema)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+async def test_a_forced_call_is_made_and_validates(gw, choice):
+    for seed in (1, 2, 3):
+        r = await chat(gw, tools=[WEATHER, TIME], tool_choice=choice, temperature=1.0, seed=seed)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content is None, r
+        (call,) = msg.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+        check_call(call.function.name, call.function.arguments)
+        content, calls, finish, chunks = await streamed(gw, tools=[WEATHER, TIME], tool_choice=choice,
+                                                        temperature=1.0, seed=seed)
+        assert content == "" and finish == "tool_calls" and list(calls) == [0]
+        assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
+
+
+async def test_auto_and_none(gw):
+    """`auto`: the model is free (a random one rarely calls), and whatever it says comes back as
+    content or calls; `none`: plain text, the tools not shown."""
+    for seed in (1, 2):
+        r = await chat(gw, tools=[WEATHER], tool_choice="auto", temperature=1.0, seed=seed, max_tokens=20)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert (msg.content or "") or msg.tool_calls
+        for call in msg.tool_calls or ():
+            assert call.function.name
+    without = await chat(gw, max_tokens=10, temperature=0)
+    none = await chat(gw, tools=[WEATHER], tool_choice="none", max_tokens=10, temperature=0)
+    assert none.choices[0].message.content == without.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
+
+
+async def test_tool_results_go_back_to_the_model(gw):
+    """The agent loop: the assistant's call appended as the SDK returns it, then the tool's answer."""
+    r = await chat(gw, tools=[WEATHER], tool_choice="required", temperature=0)
+    messages = [*CHAT, r.choices[0].message.model_dump(),
+                {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": '{"temp": 21}'}]
+    again = await chat(gw, messages=messages, tools=[WEATHER], max_tokens=10, temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as info:    # a tool answer must say which call
+        await chat(gw, messages=[*CHAT, {"role": "tool", "content": "x"}])
+    assert info.value.body["param"] == "messages[1].tool_call_id"
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tool_choice": "required"}, "tool_choice"),                                    # no tools
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+async def test_bad_tools_are_typed_400s(gw, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        await chat(gw, **fields)
+    assert info.value.body["param"] == param, info.value.body
+
+
+async def test_raw_sse_tool_call_deltas(gw):
+    """OpenAI's wire shape: the first delta of a call carries id, type and name; then arguments."""
+    import httpx
+    async with httpx.AsyncClient(base_url=gw.base, timeout=60) as http:
+        resp = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "tools": [WEATHER], "max_tokens": 200, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stream": True})
+    events = [json.loads(d) for _, d in sse_events(resp.text.split("\n")) if d != "[DONE]"]
+    deltas = [tc for e in events for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["id"] and deltas[0]["type"] == "function" and deltas[0]["function"]["name"] == "get_weather"
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+    check_call("get_weather", "".join(d["function"]["arguments"] for d in deltas))
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ---------------------------------------------------------------- LangChain
+
+async def test_langchain_bind_tools(gw):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class get_weather(BaseModel):
+        """The forecast for a city."""
+        city: str = Field(max_length=12)
+        days: int = Field(ge=1, le=7)
+
+    llm = ChatOpenAI(model=MODEL, base_url=gw.base + "/v1", api_key="none", max_retries=0, temperature=0,
+                     max_tokens=200)
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather")
+    msg = await bound.ainvoke([HumanMessage("Weather in Paris for 3 days?")])
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather"
+    get_weather.model_validate(call["args"])
+    # streamed: LangChain gathers the tool call chunks into the same call
+    gathered = None
+    async for chunk in bound.astream([HumanMessage("Weather in Paris for 3 days?")]):
+        gathered = chunk if gathered is None else gathered + chunk
+    assert [c["name"] for c in gathered.tool_calls] == ["get_weather"] and gathered.tool_calls[0]["args"] == call["args"]
+    # the agent loop: the call and its result go back
+    reply = await llm.bind_tools([get_weather]).ainvoke(
+        [HumanMessage("Weather in Paris for 3 days?"), msg, ToolMessage('{"temp": 21}', tool_call_id=call["id"])])
+    assert reply.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+# ---------------------------------------------------------------- WebSocket
+
+async def test_websocket_generate_takes_response_format(gw):
+    ws = await GatewayClient.connect(gw.ws_url)
+    try:
+        await ws.send(type="generate", id="j1", messages=CHAT, max_tokens=200, temperature=0,
+                      response_format=json_schema("nested"))
+        events, done = await ws.until_done("j1")
+        text = "".join(e["text"] for e in events if e["type"] == "chunk")
+        assert done["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(text), SCHEMAS["nested"])
+        await ws.send(type="generate", id="j2", messages=CHAT, response_format={"type": "json_schema"})
+        err = await ws.recv("j2")
+        assert err["type"] == "error" and err["code"] == "invalid_request" and "response_format" in err["message"]
+    finally:
+        await ws.close()
