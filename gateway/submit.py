@@ -77,6 +77,7 @@ class Submitter:
         self.concurrency = concurrency
         self.rate_per_min = rate_per_min
         self.lease_ms = int(lease_s * 1000)
+        self.clock = time.time      # the wall clock whose minute is the rate limit's window
         self._sha: str | None = None
 
     # ------------------------------------------------------------------ submit
@@ -88,7 +89,7 @@ class Submitter:
         idempotency key (Redis key, `Keys.idem`): when it already started a request, nothing is
         queued and that request's rid is returned (None otherwise)."""
         key_id, rid = entry.key_id, entry.rid
-        minute = int(time.time() // 60)
+        minute = int(self.clock() // 60)
         lua_keys = [self.keys.rate(key_id, minute), self.keys.conc(key_id), self.keys.requests]
         if idem:
             lua_keys.append(idem)
@@ -127,7 +128,7 @@ class Submitter:
         if verdict.startswith("dup:"):
             return verdict[4:]
         if verdict == "rate_limited":
-            retry = 60 - int(time.time()) % 60
+            retry = 60 - int(self.clock()) % 60
             raise ProtocolError(ErrorCode.RATE_LIMITED,
                                 f"rate limit of {self.rate_per_min} requests/min reached; retry in {retry}s")
         raise ProtocolError(ErrorCode.CONCURRENCY_LIMIT, f"{self.concurrency} requests of this key are already running")

@@ -56,3 +56,19 @@ def model(tokenizer):
     may fuse or quantize a model's layers in place, so modules do not share one."""
     from tests.tiny_model import tiny_llama
     return tiny_llama(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def stack(request, redis_server, tmp_path_factory):
+    """The module's gateway+worker stack (tests.stack_fixtures.Stack), as its `STACK` spec says."""
+    from tests.stack_fixtures import worker_stack
+    spec = request.module.STACK
+    model_dir = None if spec.synthetic else request.getfixturevalue("tiny_model_dir")
+    with worker_stack(redis_server.url, spec, tmp_path_factory.mktemp(f"{spec.name}-logs"), model_dir) as s:
+        yield s
+
+
+@pytest.fixture
+def make_settings(stack):
+    """`make_settings(**overrides)`: settings of a gateway on the module's stack."""
+    return stack.settings

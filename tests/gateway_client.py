@@ -47,6 +47,29 @@ class GatewayClient:
                 continue
             self.pending[msg.get("id")].append(msg)
 
+    async def send_generate(self, id: str, *, timeout: float = 30.0, **params) -> dict:
+        """Send `generate` (greedy on "Once upon a time" unless `params` say otherwise); its first
+        reply: `accepted`, or the error refusing it."""
+        params.setdefault("prompt", "Once upon a time")
+        params.setdefault("temperature", 0.0)
+        await self.send(type="generate", id=id, **params)
+        return await self.recv(id, timeout=timeout)
+
+    async def generate(self, id: str, *, timeout: float = 30.0, **params) -> str:
+        """`send_generate`, and expect it `accepted`: the request id."""
+        reply = await self.send_generate(id, timeout=timeout, **params)
+        assert reply["type"] == "accepted", reply
+        return reply["request_id"]
+
+    async def chunks(self, id: str, tokens: int, timeout: float = 30.0) -> list[dict]:
+        """Chunks of `id` until they hold at least `tokens` tokens (anything else fails)."""
+        seen: list[dict] = []
+        while sum(ch["tokens"] for ch in seen) < tokens:
+            msg = await self.recv(id, timeout=timeout)
+            assert msg["type"] == "chunk", msg
+            seen.append(msg)
+        return seen
+
     async def until_done(self, id: str, timeout: float = 60.0) -> tuple[list[dict], dict]:
         """Chunks of `id` until its `done` (or a refusing `error`, returned as the second item)."""
         chunks = []

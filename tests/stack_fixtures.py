@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -37,9 +38,10 @@ def _env(redis_url: str, prefix: str, extra: dict | None) -> dict:
 class Proc:
     """A child process with its log file; `stop()` sends SIGTERM, then SIGKILL after `grace`."""
 
-    def __init__(self, popen: subprocess.Popen, log_path: Path):
+    def __init__(self, popen: subprocess.Popen, log_path: Path, metrics_url: str | None = None):
         self.popen = popen
         self.log_path = log_path
+        self.metrics_url = metrics_url      # its /metrics, where it serves one (start_worker(metrics=True))
 
     @property
     def pid(self) -> int:
@@ -97,7 +99,8 @@ def spawn(module: str, env: dict, log_dir: Path, name: str, args: tuple[str, ...
     out = open(log_path, "ab")
     popen = subprocess.Popen([PYTHON, "-m", module, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
-    return Proc(popen, log_path)
+    port = env.get("WORKER_METRICS_PORT", "0") if module.startswith("worker") else "0"
+    return Proc(popen, log_path, f"http://127.0.0.1:{port}/metrics" if port != "0" else None)
 
 
 def wait_for_worker(redis_url: str, prefix: str, proc: Proc, *, count: int = 1, timeout: float = 120.0) -> None:
@@ -118,11 +121,18 @@ def wait_for_worker(redis_url: str, prefix: str, proc: Proc, *, count: int = 1, 
 
 
 def start_worker(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_dir: Path, *,
-                 name: str = "worker", env: dict | None = None, wait: bool = True) -> Proc:
-    """`python -m worker` on the given model directory (tiny model in tests)."""
+                 name: str = "worker", env: dict | None = None, wait: bool = True, metrics: bool = False) -> Proc:
+    """`python -m worker` on the given model directory (tiny model in tests); `metrics`: it serves
+    /metrics (`scrape(proc)`)."""
     extra = {"MODEL_PATH": str(model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1", "WORKER_ID": name}
+    if metrics:
+        extra["WORKER_METRICS_PORT"] = free_port()
     extra.update(env or {})
-    proc = spawn("worker", _env(redis_url, prefix, extra), log_dir, name)
+    return _registered(redis_url, prefix, spawn("worker", _env(redis_url, prefix, extra), log_dir, name), wait)
+
+
+def _registered(redis_url: str, prefix: str, proc: Proc, wait: bool) -> Proc:
+    """`proc`, once it is in the registry where `wait` (stopped if it never gets there)."""
     if wait:
         try:
             wait_for_worker(redis_url, prefix, proc)
@@ -130,6 +140,27 @@ def start_worker(redis_url: str, prefix: str, model_dir: str | os.PathLike, log_
             proc.stop(grace=2)
             raise
     return proc
+
+
+def start_workers(redis_url: str, prefix: str, model_dir: str | os.PathLike | None, log_dir: Path, names, *,
+                  env: dict | None = None, metrics: bool = False, step_ms: float = 5.0,
+                  max_batch: int = 8) -> list[Proc]:
+    """Workers `names` started side by side, once all of them are registered: `start_worker` on
+    `model_dir`, or `start_synthetic_worker` (`step_ms`, `max_batch`) where it is None."""
+    if model_dir is None:
+        procs = [start_synthetic_worker(redis_url, prefix, log_dir, name=name, env=env, step_ms=step_ms,
+                                        max_batch=max_batch, wait=False) for name in names]
+    else:
+        procs = [start_worker(redis_url, prefix, model_dir, log_dir, name=name, env=env, wait=False, metrics=metrics)
+                 for name in names]
+    try:
+        for proc in procs:
+            wait_for_worker(redis_url, prefix, proc, count=len(procs))
+    except Exception:
+        for proc in procs:
+            proc.stop(grace=2)
+        raise
+    return procs
 
 
 def wait_http_ok(url: str, proc: Proc | None = None, timeout: float = 30.0) -> None:
@@ -171,16 +202,59 @@ def gateway_settings(redis_url: str, prefix: str, **overrides):
                               **overrides})
 
 
+@dataclass
+class StackSpec:
+    """A test module's stack (`STACK = StackSpec(...)` in the module; its tests take the
+    `stack` and `make_settings` fixtures of tests/conftest.py): one worker on a fresh key prefix,
+    `python -m worker` on the tiny model or the synthetic engine (`synthetic=True`: the real
+    service, no model), and the gateway settings its tests start from."""
+    name: str                                           # the worker's id (and the prefix's start)
+    env: dict = field(default_factory=dict)             # the worker's
+    gateway: dict = field(default_factory=dict)         # gateway_settings overrides for every test
+    synthetic: bool = False
+    step_ms: float = 5.0                                # synthetic engine only
+    max_batch: int = 64                                 # synthetic engine only (env MAX_BATCH otherwise)
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    prefix: str
+    worker: Proc
+    gateway: dict
+
+    @property
+    def keys(self):
+        from shared.streams import Keys
+        return Keys(self.prefix)
+
+    def settings(self, **overrides):
+        """Settings of a gateway on this stack: the spec's, then `overrides`."""
+        return gateway_settings(self.redis_url, self.prefix, **{**self.gateway, **overrides})
+
+
+@contextlib.contextmanager
+def worker_stack(redis_url: str, spec: StackSpec, log_dir: Path, model_dir: str | os.PathLike | None = None
+                 ) -> Iterator[Stack]:
+    """The one way tests start a gateway+worker stack: `spec`'s worker on a fresh prefix."""
+    prefix = f"{spec.name.replace('-', '')}{uuid.uuid4().hex[:8]}"
+    if spec.synthetic:
+        proc = start_synthetic_worker(redis_url, prefix, log_dir, name=spec.name, env=spec.env, step_ms=spec.step_ms,
+                                      max_batch=spec.max_batch)
+    else:
+        proc = start_worker(redis_url, prefix, model_dir, log_dir, name=spec.name, env=spec.env)
+    try:
+        yield Stack(redis_url, prefix, proc, spec.gateway)
+    finally:
+        proc.stop()
+
+
 @contextlib.contextmanager
 def prefix_with_worker(redis_url: str, model_dir: str | os.PathLike, log_dir: Path, *, name: str,
                        env: dict | None = None) -> Iterator[str]:
-    """A fresh key prefix served by one worker (a module's own stack); yields the prefix."""
-    prefix = f"{name.replace('-', '')}{uuid.uuid4().hex[:8]}"
-    proc = start_worker(redis_url, prefix, model_dir, log_dir, name=name, env=env)
-    try:
-        yield prefix
-    finally:
-        proc.stop()
+    """A fresh key prefix served by one worker on the tiny model; yields the prefix."""
+    with worker_stack(redis_url, StackSpec(name, env or {}), log_dir, model_dir) as stack:
+        yield stack.prefix
 
 
 @contextlib.contextmanager
@@ -260,10 +334,28 @@ def start_synthetic_worker(redis_url: str, prefix: str, log_dir: Path, *, name: 
     model, starts in about a second); for faults that are about Redis and ownership."""
     proc = spawn("worker.synthetic", _env(redis_url, prefix, {"WORKER_ID": name, **(env or {})}), log_dir, name,
                  args=("--step-ms", str(step_ms), "--max-batch", str(max_batch)))
-    if wait:
-        try:
-            wait_for_worker(redis_url, prefix, proc)
-        except Exception:
-            proc.stop(grace=2)
-            raise
-    return proc
+    return _registered(redis_url, prefix, proc, wait)
+
+
+def metric_samples(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted label items): value} of a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(found: dict, name: str, **labels) -> float:
+    """One sample of `metric_samples`' result (0 when absent)."""
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def scrape(target: Proc | str) -> dict[tuple, float]:
+    """The `metric_samples` of a worker started with metrics=True, or of a /metrics URL."""
+    import httpx
+    url = target if isinstance(target, str) else target.metrics_url
+    assert url, "start the worker with metrics=True"
+    async with httpx.AsyncClient(timeout=10) as http:
+        return metric_samples((await http.get(url)).text)

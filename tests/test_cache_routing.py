@@ -14,7 +14,7 @@ import pytest
 from shared.routing import rendezvous, route_key
 from shared.streams import Keys
 from tests.gateway_client import GatewayClient, eventually
-from tests.stack_fixtures import _env, gateway_in_process, gateway_settings, spawn, wait_for_worker
+from tests.stack_fixtures import gateway_in_process, gateway_settings, start_workers
 from tests.worker_redis import check_seqs, meta_of, read_events
 from worker.synthetic import token_at
 
@@ -29,10 +29,8 @@ def expected_text(n: int) -> str:
 @pytest.fixture
 def two_workers(redis_server, tmp_path):
     prefix = f"rt{uuid.uuid4().hex[:8]}"
-    procs = {name: spawn("worker.synthetic", _env(redis_server.url, prefix, {**ENV, "WORKER_ID": name}), tmp_path,
-                         name, args=("--step-ms", "10", "--max-batch", "16")) for name in WORKERS}
-    for proc in procs.values():
-        wait_for_worker(redis_server.url, prefix, proc, count=2)
+    procs = dict(zip(WORKERS, start_workers(redis_server.url, prefix, None, tmp_path, WORKERS, env=ENV, step_ms=10,
+                                            max_batch=16)))
     yield prefix, procs
     for proc in procs.values():
         proc.stop()

@@ -15,9 +15,10 @@ import pytest
 
 from shared.localredis import LocalRedisCluster
 from shared.redis_client import connect
-from shared.streams import ENTRY_FIELD, Keys, decode_event
+from shared.streams import Keys
 from tests.gateway_client import GatewayClient
 from tests.stack_fixtures import start_gateway, start_worker
+from tests.worker_redis import history
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli (redis-tools) not installed")
 
@@ -43,44 +44,36 @@ def cluster_stack(cluster, tiny_model_dir, tmp_path_factory):
     worker.stop()
 
 
-async def history(cluster, rid: str) -> list[dict]:
+async def cluster_history(cluster, rid: str) -> list[dict]:
     client = connect(cluster.url)
     try:
-        return [decode_event(f[ENTRY_FIELD]) for _, f in await client.xrange(Keys(PREFIX).out(rid))]
+        return await history(client, Keys(PREFIX), rid)
     finally:
         await client.aclose()
-
-
-async def generate(client: GatewayClient, cid: str, **params) -> str:
-    await client.send(type="generate", id=cid, prompt=params.pop("prompt", "Once upon a time"), temperature=0.0,
-                      **params)
-    accepted = await client.recv(cid, timeout=30)
-    assert accepted["type"] == "accepted", accepted
-    return accepted["request_id"]
 
 
 async def test_stream_cancel_and_resume_through_a_redis_cluster(cluster, cluster_stack):
     url_a, url_b = cluster_stack
     a = await GatewayClient.connect(url_a)
     # stream: several requests, so their keys land in different slots and nodes
-    rids = {f"s{i}": await generate(a, f"s{i}", max_tokens=24, prompt=f"Story {i}:") for i in range(6)}
+    rids = {f"s{i}": await a.generate(f"s{i}", max_tokens=24, prompt=f"Story {i}:") for i in range(6)}
     for cid, rid in rids.items():
         chunks, done = await a.until_done(cid, timeout=60)
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop"), done
-        events = await history(cluster, rid)
+        events = await cluster_history(cluster, rid)
         assert "".join(ch["text"] for ch in chunks) == "".join(e["text"] for e in events if e["k"] == "tok")
         assert done["seq"] == sum(e["n"] for e in events if e["k"] == "tok") == chunks[-1]["seq"]
 
     # cancel
-    rid = await generate(a, "c1", max_tokens=1500)
+    rid = await a.generate("c1", max_tokens=1500)
     assert (await a.recv("c1", timeout=30))["type"] == "chunk"
     await a.send(type="cancel", id="c1")
     _, done = await a.until_done("c1", timeout=30)
     assert done["finish_reason"] == "cancelled", done
-    assert (await history(cluster, rid))[-1]["finish_reason"] == "cancelled"
+    assert (await cluster_history(cluster, rid))[-1]["finish_reason"] == "cancelled"
 
     # resume on the other gateway after an abrupt drop
-    rid = await generate(a, "r1", max_tokens=300)
+    rid = await a.generate("r1", max_tokens=300)
     seen = [await a.recv("r1", timeout=30) for _ in range(3)]
     assert all(m["type"] == "chunk" for m in seen), seen
     a.ws.transport.abort()
@@ -89,7 +82,7 @@ async def test_stream_cancel_and_resume_through_a_redis_cluster(cluster, cluster
     assert (await b.recv("r1", timeout=30))["type"] == "accepted"
     rest, done = await b.until_done("r1", timeout=60)
     assert done["type"] == "done" and done["finish_reason"] in ("length", "stop"), done
-    events = await history(cluster, rid)
+    events = await cluster_history(cluster, rid)
     assert "".join(ch["text"] for ch in seen + rest) == "".join(e["text"] for e in events if e["k"] == "tok")
     assert rest[0]["seq"] - rest[0]["tokens"] == seen[-1]["seq"]
     await b.close()

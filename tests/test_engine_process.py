@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from shared.streams import RequestEntry, SamplingParams
+from tests.gateway_client import eventually
 from tests.stack_fixtures import pid_alive
 from worker.engine_process import EngineProcess, EngineStartFailed
 from worker.engine_client import Add, Cancel
@@ -96,9 +97,8 @@ async def test_outputs_equal_the_thread_engines_and_cancels_end_requests(engine_
     # a silent cancel ends it without a final (tokens of steps before the cancel may come first)
     quiet = got["quiet"] + [o for o in proc.take_outputs() if o.rid == "quiet"]
     assert not any(o.finished for o in quiet)
-    deadline = time.monotonic() + 5
-    while (proc.running or proc.steps == 0) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)             # load figures arrive with outputs and every 0.5 s
+    # load figures arrive with outputs and every 0.5 s
+    await eventually(lambda: not proc.running and proc.steps > 0, timeout=5, interval=0.05)
     assert proc.running == 0 and proc.waiting == 0 and proc.steps > 0 and proc.unhealthy_reason == ""
 
 
@@ -123,9 +123,7 @@ async def test_untaken_outputs_pause_the_engine_until_the_parent_takes_them(engi
     assert 16 <= held < 16 + 4 and proc.steps == steps, (held, steps, proc.steps)
     assert steps <= 16 + 1                              # at most a step a held output, + the waiting one
     taken = len(proc.take_outputs())
-    deadline = time.monotonic() + 5
-    while proc.steps == steps and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await eventually(lambda: proc.steps > steps, timeout=5, interval=0.05)
     assert taken == held and proc.steps > steps         # credit returned: it steps again
 
 

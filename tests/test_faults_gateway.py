@@ -12,48 +12,25 @@ import signal
 import pytest
 import websockets
 
-from shared.streams import ENTRY_FIELD, Keys, decode_event
+from shared.streams import Keys
 from tests.gateway_client import GatewayClient
-from tests.stack_fixtures import _env, spawn, start_gateway, wait_for_worker
+from tests.stack_fixtures import start_gateway, start_workers
+from tests.worker_redis import history, text_of
 
 GW_ENV = {"PER_KEY_CONCURRENCY": 2000, "PER_KEY_RATE_PER_MIN": 100000, "MAX_QUEUE_DEPTH": 5000,
           "FLUSH_INTERVAL_MS": 30, "RESUME_GRACE_S": 10}
 
 
-async def worker_record(redis, keys: Keys, rid: str) -> tuple[str, list[dict]]:
-    events = [decode_event(f[ENTRY_FIELD]) for _, f in await redis.xrange(keys.out(rid))]
-    return "".join(e.get("text", "") for e in events if e["k"] == "tok"), events
-
-
-def start_workers(url, prefix, model_dir, log_dir, n, env):
-    procs = [spawn("worker", _env(url, prefix, {"MODEL_PATH": str(model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1",
-                                                 "WORKER_ID": f"w{i}", **env}), log_dir, f"w{i}") for i in range(n)]
-    for p in procs:
-        wait_for_worker(url, prefix, p, count=n)
-    return procs
-
-
-async def generate(client: GatewayClient, cid: str, **params) -> str:
-    await client.send(type="generate", id=cid, **params)
-    accepted = await client.recv(cid, timeout=30)
-    assert accepted["type"] == "accepted", accepted
-    return accepted["request_id"]
-
-
 async def test_gateway_killed_mid_stream_client_resumes_elsewhere(redis_server, redis_client, stream_prefix,
                                                                   tiny_model_dir, tmp_path):
     keys = Keys(stream_prefix)
-    workers = start_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, 1, {})
+    workers = start_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, ["w0"])
     gw_a, base_a = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-a", env=GW_ENV)
     gw_b, base_b = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-b", env=GW_ENV)
     try:
         a = await GatewayClient.connect(base_a.replace("http", "ws") + "/v1/stream")
-        rid = await generate(a, "s1", prompt="Once upon a time", max_tokens=800, temperature=0.0)
-        seen = []
-        while sum(ch["tokens"] for ch in seen) < 20:
-            msg = await a.recv("s1")
-            assert msg["type"] == "chunk"
-            seen.append(msg)
+        rid = await a.generate("s1", max_tokens=800)
+        seen = await a.chunks("s1", 20)
         gw_a.signal(signal.SIGKILL)                      # the gateway vanishes, no goodbye
         gw_a.popen.wait(10)
         with pytest.raises(Exception):
@@ -65,7 +42,8 @@ async def test_gateway_killed_mid_stream_client_resumes_elsewhere(redis_server, 
         assert (await b.recv("s1"))["type"] == "accepted"
         rest, done = await b.until_done("s1", timeout=60)
         assert done["type"] == "done" and done["finish_reason"] == "length", done
-        text, events = await worker_record(redis_client, keys, rid)
+        events = await history(redis_client, keys, rid)
+        text = text_of(events)
         assert "".join(ch["text"] for ch in seen + rest) == text             # nothing lost, nothing twice
         assert sum(ch["tokens"] for ch in seen + rest) == 800
         assert done["seq"] == sum(e["n"] for e in events if e["k"] == "tok")
@@ -78,8 +56,8 @@ async def test_gateway_killed_mid_stream_client_resumes_elsewhere(redis_server, 
 async def test_500_concurrent_streams_two_gateways_two_workers(redis_server, redis_client, stream_prefix,
                                                                tiny_model_dir, tmp_path):
     keys = Keys(stream_prefix)
-    workers = start_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, 2,
-                            {"MAX_BATCH": 64, "MAX_SEQ_LEN": 256})
+    workers = start_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, ["w0", "w1"],
+                            env={"MAX_BATCH": 64, "MAX_SEQ_LEN": 256})
     gws = [start_gateway(redis_server.url, stream_prefix, tmp_path, name=f"gw{i}", env=GW_ENV) for i in range(2)]
     sockets_per_gw, per_socket = 10, 25                    # 2 x 10 x 25 = 500 streams
     rng = random.Random(5)
@@ -108,7 +86,8 @@ async def test_500_concurrent_streams_two_gateways_two_workers(redis_server, red
         assert len({rid for _, rid, *_ in results}) == 500
         for cid, rid, chunks, done, params in results:
             assert done["type"] == "done" and done["finish_reason"] in ("stop", "length"), (cid, done)
-            text, events = await worker_record(redis_client, keys, rid)
+            events = await history(redis_client, keys, rid)
+            text = text_of(events)
             assert "".join(ch["text"] for ch in chunks) == text, cid
             seqs = [ch["seq"] for ch in chunks]
             assert seqs == sorted(set(seqs)) and done["seq"] == sum(e["n"] for e in events if e["k"] == "tok")
@@ -134,15 +113,13 @@ async def test_redis_restarted_mid_stream_through_the_gateway(tiny_model_dir, tm
     server = LocalRedis(appendonly=True).start()
     client_redis = aioredis.from_url(server.url)
     keys = Keys("rg")
-    workers = start_workers(server.url, "rg", tiny_model_dir, tmp_path, 1, {"CLAIM_IDLE_MS": 3000})
+    workers = start_workers(server.url, "rg", tiny_model_dir, tmp_path, ["w0"], env={"CLAIM_IDLE_MS": 3000})
     gw, base = start_gateway(server.url, "rg", tmp_path, name="gw-rr", env=GW_ENV)
     url = base.replace("http", "ws") + "/v1/stream"
     try:
         a = await GatewayClient.connect(url)
-        rid = await generate(a, "r1", prompt="Once upon a time", max_tokens=600, temperature=0.0)
-        seen = []
-        while sum(ch["tokens"] for ch in seen) < 20:
-            seen.append(await a.recv("r1"))
+        rid = await a.generate("r1", max_tokens=600)
+        seen = await a.chunks("r1", 20)
         await asyncio.to_thread(server.restart, down_for=1.0)
         final = None
         try:
@@ -163,7 +140,8 @@ async def test_redis_restarted_mid_stream_through_the_gateway(tiny_model_dir, tm
             seen += rest
             await b.close()
         assert final["type"] == "done" and final["finish_reason"] == "length", final
-        text, events = await worker_record(client_redis, keys, rid)
+        events = await history(client_redis, keys, rid)
+        text = text_of(events)
         assert "".join(ch["text"] for ch in seen) == text
         assert sum(ch["tokens"] for ch in seen) == 600
     finally:

@@ -13,27 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import redis.asyncio as aioredis
 
 from gateway.auth import hash_key
 from shared.localredis import LocalRedis
-from shared.streams import ENTRY_FIELD, Keys, decode_event
-from tests.gateway_client import GatewayClient
-from tests.stack_fixtures import _env, spawn, start_gateway, wait_for_worker
+from shared.streams import Keys
+from tests.gateway_client import GatewayClient, eventually
+from tests.stack_fixtures import metric, scrape, start_gateway, start_worker
+from tests.worker_redis import read_events
 
 LONG = 3500      # tokens: far more than the tiny model makes in the few seconds a test waits
 KEY, KEY_ID = "s3cret-liveness", "alice"     # a real API key: its limits are shared by all its sockets
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def start_worker_proc(url: str, prefix: str, model_dir, log_dir, name: str = "w0", **env):
-    proc = spawn("worker", _env(url, prefix, {"MODEL_PATH": str(model_dir), "DEVICE": "cpu", "TORCH_THREADS": "1",
-                                              "WORKER_ID": name, "MAX_SEQ_LEN": 4000, "MAX_BATCH": 64,
-                                              "WORKER_HEARTBEAT_S": 0.5, **env}), log_dir, name)
-    wait_for_worker(url, prefix, proc)
-    return proc
+def start_worker_proc(url: str, prefix: str, model_dir, log_dir):
+    return start_worker(url, prefix, model_dir, log_dir, name="w0",
+                        env={"MAX_SEQ_LEN": 4000, "MAX_BATCH": 64, "WORKER_HEARTBEAT_S": 0.5})
 
 
 def gw_env(**extra) -> dict:
@@ -44,22 +41,9 @@ def gw_env(**extra) -> dict:
     return env
 
 
-async def final_event(redis, keys: Keys, rid: str, timeout: float) -> dict | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        last = await redis.xrevrange(keys.out(rid), count=1)
-        if last:
-            ev = decode_event(last[0][1][ENTRY_FIELD])
-            if ev["k"] in ("done", "err"):
-                return ev
-        await asyncio.sleep(0.1)
-    return None
-
-
-async def generate(client: GatewayClient, cid: str, max_tokens: int = LONG, **params) -> dict:
-    await client.send(type="generate", id=cid, prompt=params.pop("prompt", f"Story {cid}:"), max_tokens=max_tokens,
-                      temperature=0.0, **params)
-    return await client.recv(cid, timeout=30)
+async def slots_free(redis, keys: Keys) -> bool:
+    """No concurrency lease of the key is held."""
+    return await redis.zcard(keys.conc(KEY_ID)) == 0
 
 
 async def test_sigkilled_gateways_requests_are_parked_and_cancelled_by_a_survivor(redis_server, redis_client,
@@ -69,30 +53,23 @@ async def test_sigkilled_gateways_requests_are_parked_and_cancelled_by_a_survivo
     worker = start_worker_proc(redis_server.url, stream_prefix, tiny_model_dir, tmp_path)
     env = gw_env(RESUME_GRACE_S=1)
     gw_a, base_a = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-a", env=env)
-    gw_b, _ = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-b", env=env)
+    gw_b, base_b = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-b", env=env)
     try:
         a = await GatewayClient.connect(base_a.replace("http", "ws") + "/v1/stream", headers=AUTH)
         rids = []
         for i in range(3):
-            accepted = await generate(a, f"k{i}")
-            assert accepted["type"] == "accepted", accepted
-            rids.append(accepted["request_id"])
+            rids.append(await a.generate(f"k{i}", prompt=f"Story {i}:", max_tokens=LONG))
         assert (await a.recv("k0", timeout=30))["type"] == "chunk"
-        killed_at = time.monotonic()
         gw_a.signal(signal.SIGKILL)                          # no goodbye, nothing parked by gw-a itself
         gw_a.popen.wait(10)
         for rid in rids:
-            final = await final_event(redis_client, keys, rid, timeout=30)
-            assert final is not None, f"{rid} still running {time.monotonic() - killed_at:.0f}s after its gateway died"
+            final = (await read_events(redis_client, keys, rid, timeout=30))[-1]    # not running on, unheard
             assert final["k"] == "done" and final["finish_reason"] == "cancelled", final
             assert final["seq"] < LONG
         # ... and the slots of those requests are free again: the worker releases a lease in the
         # round trip after the final's history write (docs/transport.md), well before it expires
-        deadline = time.monotonic() + 5
-        while await redis_client.zcard(keys.conc(KEY_ID)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert await redis_client.zcard(keys.conc(KEY_ID)) == 0
-        assert "is dead: parked 3" in gw_b.log()
+        assert await eventually(lambda: slots_free(redis_client, keys), timeout=5)
+        assert metric(await scrape(base_b + "/metrics"), "gateway_orphans_taken_over_total") == 3   # parked by gw-b
     finally:
         for p in (gw_a, gw_b, worker):
             p.stop()
@@ -107,14 +84,15 @@ async def test_a_dropped_socket_keeps_its_slot_until_the_request_ends(redis_serv
     url = base.replace("http", "ws") + "/v1/stream"
     try:
         a = await GatewayClient.connect(url, headers=AUTH)
-        accepted = await generate(a, "x")
-        assert accepted["type"] == "accepted", accepted
-        rid = accepted["request_id"]
+        rid = await a.generate("x", max_tokens=LONG)
         assert (await a.recv("x", timeout=30))["type"] == "chunk"
         a.ws.transport.abort()                               # gone; the request waits for a resume
-        await asyncio.sleep(0.5)
+
+        async def socket_gone() -> bool:
+            return metric(await scrape(base + "/metrics"), "gateway_active_sockets") == 0
+        assert await eventually(socket_gone, timeout=10)
         b = await GatewayClient.connect(url, headers=AUTH)                 # a reconnect loop: new socket, new request
-        refused = await generate(b, "y")
+        refused = await b.send_generate("y", max_tokens=LONG)
         assert refused["type"] == "error" and refused["code"] == "concurrency_limit", refused
         # the client resumes and cancels its first request: when it ends, the slot is free
         await b.send(type="resume", id="x", last_seq=0, request_id=rid)
@@ -122,12 +100,8 @@ async def test_a_dropped_socket_keeps_its_slot_until_the_request_ends(redis_serv
         await b.send(type="cancel", id="x")
         _, done = await b.until_done("x", timeout=30)
         assert done["finish_reason"] == "cancelled", done
-        for _ in range(50):
-            if await redis_client.zcard(keys.conc(KEY_ID)) == 0:
-                break
-            await asyncio.sleep(0.1)
-        again = await generate(b, "z", max_tokens=5)
-        assert again["type"] == "accepted", again
+        assert await eventually(lambda: slots_free(redis_client, keys), timeout=5)
+        await b.generate("z", max_tokens=5)
         _, done = await b.until_done("z", timeout=30)
         assert done["type"] == "done"
         await b.close()
@@ -150,16 +124,14 @@ async def test_after_a_redis_restart_new_requests_work_at_once_and_no_lease_leak
         running = await GatewayClient.connect(url, headers=AUTH)
         rids = {}
         for i in range(20):
-            accepted = await generate(running, f"run{i}", max_tokens=300)
-            assert accepted["type"] == "accepted", accepted
-            rids[f"run{i}"] = accepted["request_id"]
+            rids[f"run{i}"] = await running.generate(f"run{i}", max_tokens=300)
         await running.recv("run0", timeout=30)
         await asyncio.to_thread(server.restart, kill=True, down_for=1.5)
 
         async def one(i: int) -> dict:
             c = await GatewayClient.connect(url, headers=AUTH)
             try:
-                reply = await generate(c, f"n{i}", max_tokens=8)
+                reply = await c.send_generate(f"n{i}", max_tokens=8)
                 if reply["type"] != "accepted":
                     return reply
                 _, done = await c.until_done(f"n{i}", timeout=60)
@@ -179,9 +151,7 @@ async def test_after_a_redis_restart_new_requests_work_at_once_and_no_lease_leak
         await running.close()
         # every request has ended: no lease may stay held (they would expire only after
         # CONCURRENCY_LEASE_S, refusing the key meanwhile)
-        deadline = time.monotonic() + 5
-        while await redis.zcard(keys.conc(KEY_ID)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await eventually(lambda: slots_free(redis, keys), timeout=5)
         leaked = await redis.zrange(keys.conc(KEY_ID), 0, -1)
         assert not leaked, f"{len(leaked)} leases held after every request ended"
     finally:

@@ -3,29 +3,16 @@ still gets the request's time to first token (the worker's figure), like a live 
 
 from __future__ import annotations
 
-import uuid
-
-import pytest
-
 from tests.gateway_client import GatewayClient
-from tests.stack_fixtures import _env, gateway_in_process, gateway_settings, spawn, wait_for_worker
+from tests.stack_fixtures import StackSpec, gateway_in_process
+
+STACK = StackSpec("w-usage", synthetic=True)
 
 
-@pytest.fixture(scope="module")
-def usage_stack(redis_server, tmp_path_factory):
-    prefix = f"usage{uuid.uuid4().hex[:8]}"
-    proc = spawn("worker.synthetic", _env(redis_server.url, prefix, {"WORKER_ID": "w-usage"}),
-                 tmp_path_factory.mktemp("usage-logs"), "w-usage", args=("--step-ms", "5"))
-    wait_for_worker(redis_server.url, prefix, proc)
-    yield prefix
-    proc.stop()
-
-
-async def test_a_resumed_finished_request_reports_its_ttft(redis_server, usage_stack):
-    async with gateway_in_process(gateway_settings(redis_server.url, usage_stack)) as gw:
+async def test_a_resumed_finished_request_reports_its_ttft(make_settings):
+    async with gateway_in_process(make_settings()) as gw:
         live = await GatewayClient.connect(gw.ws_url)
-        await live.send(type="generate", id="a", prompt="x", max_tokens=6)
-        request_id = (await live.recv("a"))["request_id"]
+        request_id = await live.generate("a", prompt="x", max_tokens=6)
         _, done = await live.until_done("a")
         assert done["usage"]["ttft_ms"] > 0 and done["usage"]["completion_tokens"] == 6
         await live.close()

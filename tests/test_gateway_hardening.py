@@ -24,11 +24,7 @@ from gateway.auth import hash_key
 from shared.streams import Keys, RequestEntry
 from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, read_until_reset, send_until_blocked
 from tests.stack_fixtures import gateway_in_process, gateway_settings
-
-
-async def silent_worker(redis_client, prefix: str) -> None:
-    """A registered worker that never reads its queue (admission lets requests through)."""
-    await redis_client.zadd(Keys(prefix).workers, {"silent": int(time.time() * 1000) + 600_000})
+from tests.worker_redis import silent_worker
 
 
 async def assert_alive(c: GatewayClient, nonce: str = "alive") -> None:
@@ -62,7 +58,7 @@ LONE = "\\ud800"   # a JSON escape of a lone surrogate, as the frame carries it
 ], ids=["prompt", "content", "id", "nonce", "stop", "auth", "key"])
 async def test_lone_surrogates_anywhere_get_invalid_request_and_the_socket_lives(redis_server, stream_prefix,
                                                                                  redis_client, frame):
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         await c.ws.send(frame)
@@ -108,7 +104,7 @@ async def test_a_failing_sender_closes_the_socket_with_a_typed_error(redis_serve
 # ---------------------------------------------------------------------------- item 3: typing, Origin
 
 async def test_strict_types_json_and_msgpack(redis_server, stream_prefix, redis_client):
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         j = await GatewayClient.connect(gw.ws_url)
         for bad in ({"max_tokens": "10"}, {"max_tokens": 10.5}, {"max_tokens": True}, {"temperature": "0.5"},
@@ -116,8 +112,7 @@ async def test_strict_types_json_and_msgpack(redis_server, stream_prefix, redis_
             await j.send(type="generate", id="t", prompt="hi", **bad)
             reply = await j.recv("t")
             assert reply["type"] == "error" and reply["code"] == "invalid_request", (bad, reply)
-        await j.send(type="generate", id="ok", prompt="hi", max_tokens=10, temperature=0)   # int for a float: fine
-        assert (await j.recv("ok"))["type"] == "accepted"
+        await j.generate("ok", prompt="hi", max_tokens=10, temperature=0)   # int for a float: fine
         await j.close()
 
         m = await GatewayClient.connect(gw.ws_url, binary=True)
@@ -193,10 +188,12 @@ async def test_a_client_that_stops_reading_holds_bounded_control_bytes_and_is_cl
         frames = masked_frame(json.dumps({"type": "ping", "nonce": "n" * 64}).encode()) * 100_000
         flooder = asyncio.create_task(asyncio.to_thread(send_until_blocked, sock, frames))
         peak = 0
-        t0 = time.monotonic()
-        while gw.hub.metrics.slow_consumers._value.get() < 1 and time.monotonic() - t0 < 30:
+
+        def closed_as_slow() -> bool:            # the control queue's size sampled meanwhile
+            nonlocal peak
             peak = max(peak, gw.hub.metrics.control_queue_bytes._value.get())
-            await asyncio.sleep(0.01)
+            return gw.hub.metrics.slow_consumers._value.get() >= 1
+        assert await eventually(closed_as_slow, timeout=30, interval=0.01)
         assert gw.hub.metrics.slow_consumers._value.get() == 1
         assert 0 < peak <= bound, peak
         await eventually(lambda: not gw.hub.connections, timeout=10)     # the socket is really gone on the server
@@ -242,15 +239,13 @@ async def test_sockets_per_address_and_per_key_are_capped(redis_server, stream_p
 # ---------------------------------------------------------------------------- item 6: resume authorization
 
 async def start(c: GatewayClient, cid: str) -> str:
-    await c.send(type="generate", id=cid, prompt="hello", max_tokens=5)
-    accepted = await c.recv(cid)
-    assert accepted["type"] == "accepted", accepted
-    assert len(accepted["request_id"]) == 32 and int(accepted["request_id"], 16) >= 0
-    return accepted["request_id"]
+    rid = await c.generate(cid, prompt="hello", max_tokens=5)
+    assert len(rid) == 32 and int(rid, 16) >= 0          # request ids: 128 bits, hex
+    return rid
 
 
 async def test_resume_needs_the_request_id_and_the_same_key(redis_server, stream_prefix, redis_client):
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     keys = f"alice:{hash_key('sk-alice')},bob:{hash_key('sk-bob')}"
     settings = gateway_settings(redis_server.url, stream_prefix, api_keys=keys, resume_grace_s=30)
     alice_h, bob_h = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
@@ -285,7 +280,7 @@ async def test_resume_needs_the_request_id_and_the_same_key(redis_server, stream
 
 async def test_anonymous_sockets_have_their_own_identity_and_resume_by_request_id(redis_server, stream_prefix,
                                                                                   redis_client):
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, resume_grace_s=30,
                                                per_key_concurrency=1)) as gw:
         a = await GatewayClient.connect(gw.ws_url)
@@ -337,7 +332,7 @@ def test_the_resume_budget_is_a_minute_from_the_first_attempt():
 # ---------------------------------------------------------------------------- item 9: progress watchdog
 
 async def test_a_request_without_progress_ends_stalled_and_retryable(redis_server, stream_prefix, redis_client):
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     settings = gateway_settings(redis_server.url, stream_prefix, request_stall_s=0.6, sweep_interval_s=0.1)
     async with gateway_in_process(settings) as gw:
         c = await GatewayClient.connect(gw.ws_url)
@@ -389,7 +384,7 @@ async def test_admin_token_guards_the_metrics_endpoint(redis_server, stream_pref
 # ---------------------------------------------------------------------------- cancel, drain, retention
 
 async def test_cancel_fallback_when_the_owning_worker_never_confirms(redis_server, stream_prefix, redis_client):
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, cancel_fallback_s=0.8)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         rid = await start(c, "f")
@@ -405,14 +400,15 @@ async def test_cancel_fallback_when_the_owning_worker_never_confirms(redis_serve
         await c.close()
 
 
+async def is_ready(http) -> bool:
+    return (await http.get("/readyz")).status_code == 200
+
+
 async def test_draining_readyz_503_and_shutting_down(redis_server, stream_prefix):
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         async with httpx.AsyncClient(base_url=gw.base) as http:
-            for _ in range(50):
-                if (await http.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.05)
+            assert await eventually(lambda: is_ready(http), timeout=5, interval=0.05)
             drain = asyncio.create_task(gw.hub.drain(timeout=5))
             err = await c.recv_any(timeout=5)
             assert err["type"] == "error" and err["code"] == "shutting_down" and err["retryable"] is True
@@ -426,7 +422,7 @@ async def test_draining_readyz_503_and_shutting_down(redis_server, stream_prefix
 
 
 async def test_resume_expired_after_output_ttl(redis_server, stream_prefix, redis_client):
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, output_ttl_s=1,
                                                resume_grace_s=30)) as gw:
         a = await GatewayClient.connect(gw.ws_url)
@@ -447,10 +443,10 @@ async def test_resume_expired_after_output_ttl(redis_server, stream_prefix, redi
 async def test_admission_admits_exactly_max_queue_depth(redis_server, stream_prefix, redis_client):
     """The limit is pinned: with nothing taken off the queue, exactly MAX_QUEUE_DEPTH requests
     are accepted (within one cached backlog snapshot and across fresh reads alike)."""
-    await silent_worker(redis_client, stream_prefix)
+    await silent_worker(redis_client, Keys(stream_prefix))
     for cache_ms in (60_000, 0):
         prefix = f"{stream_prefix}{cache_ms}"
-        await silent_worker(redis_client, prefix)
+        await silent_worker(redis_client, Keys(prefix))
         async with gateway_in_process(gateway_settings(redis_server.url, prefix, max_queue_depth=3,
                                                    admission_cache_ms=cache_ms)) as gw:
             c = await GatewayClient.connect(gw.ws_url)
@@ -475,13 +471,12 @@ async def test_a_stalled_redis_does_not_hold_up_a_sockets_streams_or_its_done(tm
     keys = Keys("stall")
     try:
         await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
-        await silent_worker(redis, "stall")
+        await silent_worker(redis, Keys("stall"))
         settings = gateway_settings(server.url, "stall", per_key_concurrency=4, flush_interval_ms=0)
         async with gateway_in_process(settings) as gw:
             c = await GatewayClient.connect(gw.ws_url)
             for cid in ("A", "B"):
-                await c.send(type="generate", id=cid, prompt="x", max_tokens=8)
-                assert (await c.recv(cid))["type"] == "accepted"
+                await c.generate(cid, prompt="x", max_tokens=8)
             got = await redis.xreadgroup(CONSUMER_GROUP, "fake", {keys.requests: ">"}, count=2)
             entries = [RequestEntry.decode(f[ENTRY_FIELD]) for _, f in got[0][1]]
             rid = {("A", "B")[i]: e.rid for i, e in enumerate(entries)}   # submitted in this order

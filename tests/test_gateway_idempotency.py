@@ -14,12 +14,11 @@ import hashlib
 import uuid
 
 import httpx
-import pytest
 
 from llm_stream_client import StreamClient
-from shared.streams import CONSUMER_GROUP, Keys
+from shared.streams import CONSUMER_GROUP
 from tests.gateway_client import GatewayClient, eventually
-from tests.stack_fixtures import _env, gateway_in_process, gateway_settings, spawn, wait_for_worker
+from tests.stack_fixtures import StackSpec, gateway_in_process
 from worker.synthetic import token_at
 
 KEY_A, KEY_B = "sk-idem-a", "sk-idem-b"
@@ -29,35 +28,25 @@ API_KEYS = f"alice:{hashlib.sha256(KEY_A.encode()).hexdigest()},bob:{hashlib.sha
 def expected_text(n: int) -> str:
     return "".join(token_at(i)[1] for i in range(1, n + 1))
 
-
-@pytest.fixture(scope="module")
-def idem_stack(redis_server, tmp_path_factory):
-    prefix = f"idem{uuid.uuid4().hex[:8]}"
-    proc = spawn("worker.synthetic", _env(redis_server.url, prefix, {"WORKER_ID": "w-idem"}),
-                 tmp_path_factory.mktemp("idem-logs"), "w-idem", args=("--step-ms", "5", "--max-batch", "64"))
-    wait_for_worker(redis_server.url, prefix, proc)
-    yield prefix
-    proc.stop()
+STACK = StackSpec("w-idem", synthetic=True)
 
 
-def settings(redis_server, prefix, **kw):
-    return gateway_settings(redis_server.url, prefix, **{"api_keys": API_KEYS, **kw})
+def settings(stack, **kw):
+    return stack.settings(**{"api_keys": API_KEYS, **kw})
 
 
-async def entries(redis_client, prefix: str) -> int:
-    """Request entries ever queued on `prefix` (delivered or not)."""
-    groups = await redis_client.xinfo_groups(Keys(prefix).requests)
+async def entries(redis_client, stack) -> int:
+    """Request entries ever queued on the stack's prefix (delivered or not)."""
+    groups = await redis_client.xinfo_groups(stack.keys.requests)
     return int(next(g for g in groups if g["name"] == CONSUMER_GROUP.encode())["entries-read"] or 0) + \
         int(next(g for g in groups if g["name"] == CONSUMER_GROUP.encode())["lag"] or 0)
 
 
-async def test_a_repeated_generate_attaches_to_the_first_request(redis_server, redis_client, idem_stack):
-    async with gateway_in_process(settings(redis_server, idem_stack)) as gw:
-        before = await entries(redis_client, idem_stack)
+async def test_a_repeated_generate_attaches_to_the_first_request(redis_server, redis_client, stack):
+    async with gateway_in_process(settings(stack)) as gw:
+        before = await entries(redis_client, stack)
         a1 = await GatewayClient.connect(gw.ws_url, headers={"Authorization": f"Bearer {KEY_A}"})
-        await a1.send(type="generate", id="g1", prompt="x", max_tokens=40, idempotency_key="order-17")
-        accepted = await a1.recv("g1")
-        assert accepted["type"] == "accepted"
+        first = await a1.generate("g1", prompt="x", max_tokens=40, idempotency_key="order-17")
         # the same socket: a second id for the same work is a client bug, said so
         await a1.send(type="generate", id="g2", prompt="x", max_tokens=40, idempotency_key="order-17")
         assert (await a1.recv("g2"))["code"] == "duplicate_id"
@@ -65,9 +54,7 @@ async def test_a_repeated_generate_attaches_to_the_first_request(redis_server, r
         # from its first token, under the id this socket chose; it streams there from now on, like
         # a resume, and the first socket is told so instead of being left silent
         a2 = await GatewayClient.connect(gw.ws_url, headers={"Authorization": f"Bearer {KEY_A}"})
-        await a2.send(type="generate", id="again", prompt="x", max_tokens=40, idempotency_key="order-17")
-        again = await a2.recv("again")
-        assert again["type"] == "accepted" and again["request_id"] == accepted["request_id"]
+        assert await a2.generate("again", prompt="x", max_tokens=40, idempotency_key="order-17") == first
         chunks, done = await a2.until_done("again")
         assert "".join(c["text"] for c in chunks) == expected_text(40) and done["seq"] == 40
         assert chunks[0]["seq"] - chunks[0]["tokens"] == 0
@@ -76,18 +63,16 @@ async def test_a_repeated_generate_attaches_to_the_first_request(redis_server, r
                                             taken["error"]["code"] == "resumed_elsewhere"), taken
         # another API key with the same idempotency key: its own, new request
         b = await GatewayClient.connect(gw.ws_url, headers={"Authorization": f"Bearer {KEY_B}"})
-        await b.send(type="generate", id="g1", prompt="x", max_tokens=5, idempotency_key="order-17")
-        other = await b.recv("g1")
-        assert other["type"] == "accepted" and other["request_id"] != accepted["request_id"]
+        assert await b.generate("g1", prompt="x", max_tokens=5, idempotency_key="order-17") != first
         await b.until_done("g1")
-        assert await entries(redis_client, idem_stack) - before == 2
+        assert await entries(redis_client, stack) - before == 2
         for c in (a1, a2, b):
             await c.close()
 
 
 async def test_anonymous_keys_must_carry_128_bits_and_are_shared_by_anonymous_clients(redis_server, redis_client,
-                                                                                    idem_stack):
-    async with gateway_in_process(settings(redis_server, idem_stack, api_keys="")) as gw:   # keys optional
+                                                                                    stack):
+    async with gateway_in_process(settings(stack, api_keys="")) as gw:   # keys optional
         c1 = await GatewayClient.connect(gw.ws_url)
         await c1.send(type="generate", id="s", prompt="x", max_tokens=5, idempotency_key="short-key")
         refused = await c1.recv("s")
@@ -107,9 +92,9 @@ async def test_anonymous_keys_must_carry_128_bits_and_are_shared_by_anonymous_cl
             await c.close()
 
 
-async def test_the_http_idempotency_key_header(redis_server, redis_client, idem_stack):
-    async with gateway_in_process(settings(redis_server, idem_stack)) as gw:
-        before = await entries(redis_client, idem_stack)
+async def test_the_http_idempotency_key_header(redis_server, redis_client, stack):
+    async with gateway_in_process(settings(stack)) as gw:
+        before = await entries(redis_client, stack)
         body = {"model": gw.settings.served_model_name, "prompt": "x", "max_tokens": 20}
         headers = {"Authorization": f"Bearer {KEY_A}", "Idempotency-Key": "invoice-9"}
         async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
@@ -119,17 +104,17 @@ async def test_the_http_idempotency_key_header(redis_server, redis_client, idem_
         assert first.status_code == second.status_code == 200
         assert first.json()["id"] == second.json()["id"]
         assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"] == expected_text(20)
-        assert await entries(redis_client, idem_stack) - before == 1
+        assert await entries(redis_client, stack) - before == 1
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "Idempotency-Key"
 
 
-async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server, redis_client, idem_stack):
+async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server, redis_client, stack):
     """Gateway A queues requests and dies before their `accepted` goes out (its submit never
     returns, then its sockets are dropped: what a SIGKILL right after the submit looks like to
     the clients). The SDK sends each generate again, through gateway B, with its default
     idempotency key: each request runs once and every answer is exact."""
-    async with gateway_in_process(settings(redis_server, idem_stack)) as gw_a, \
-            gateway_in_process(settings(redis_server, idem_stack)) as gw_b:
+    async with gateway_in_process(settings(stack)) as gw_a, \
+            gateway_in_process(settings(stack)) as gw_b:
         queued: list[str] = []
         dead = asyncio.Event()
         real_submit = gw_a.hub.submitter.submit
@@ -140,7 +125,7 @@ async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server,
             await dead.wait()                      # the reply never comes back while A "lives"
 
         gw_a.hub.submitter.submit = submit_then_die
-        before = await entries(redis_client, idem_stack)
+        before = await entries(redis_client, stack)
         clients = [StreamClient([gw_a.ws_url, gw_b.ws_url], api_key=KEY_A, backoff_base_s=0.05) for _ in range(4)]
         try:
             for client in clients:
@@ -158,5 +143,5 @@ async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server,
                 await client.close()
         assert texts == [expected_text(30 + 2 * i + j) for i in range(len(clients)) for j in range(2)]
         assert set(queued) <= {g.request_id for g in gens}          # the requests A queued are the ones that ran
-        assert await entries(redis_client, idem_stack) - before == len(gens)     # and nothing ran twice
+        assert await entries(redis_client, stack) - before == len(gens)     # and nothing ran twice
         assert all(client.reconnects >= 1 for client in clients)

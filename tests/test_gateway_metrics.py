@@ -9,39 +9,28 @@ import asyncio
 import uuid
 
 import httpx
-import pytest
 
 from tests.gateway_client import GatewayClient, eventually
-from tests.stack_fixtures import _env, gateway_in_process, gateway_settings, spawn, wait_for_worker
+from tests.stack_fixtures import StackSpec, gateway_in_process
 
-
-@pytest.fixture(scope="module")
-def metrics_stack(redis_server, tmp_path_factory):
-    prefix = f"gm{uuid.uuid4().hex[:8]}"
-    proc = spawn("worker.synthetic", _env(redis_server.url, prefix, {"WORKER_ID": "w-gm"}),
-                 tmp_path_factory.mktemp("gm-logs"), "w-gm", args=("--step-ms", "5"))
-    wait_for_worker(redis_server.url, prefix, proc)
-    yield prefix
-    proc.stop()
+STACK = StackSpec("w-gm", synthetic=True)
 
 
 def value(gw, name: str, **labels) -> float:
     return gw.hub.metrics.registry.get_sample_value(name, labels or None) or 0.0
 
 
-async def test_request_cancel_resume_and_close_metrics(redis_server, metrics_stack):
-    settings = gateway_settings(redis_server.url, metrics_stack, resume_grace_s=0.3, sweep_interval_s=0.1)
+async def test_request_cancel_resume_and_close_metrics(make_settings):
+    settings = make_settings(resume_grace_s=0.3, sweep_interval_s=0.1)
     async with gateway_in_process(settings) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        await c.send(type="generate", id="a", prompt="x", max_tokens=20)
-        request_id = (await c.recv("a"))["request_id"]
+        request_id = await c.generate("a", prompt="x", max_tokens=20)
         await c.until_done("a")
         assert value(gw, "gateway_time_to_first_meaningful_token_seconds_count") == 1
         assert value(gw, "gateway_time_to_last_token_seconds_count") == 1
         assert value(gw, "gateway_time_to_last_token_seconds_sum") >= value(gw, "gateway_ttft_seconds_sum")
 
-        await c.send(type="generate", id="b", prompt="x", max_tokens=2000)
-        assert (await c.recv("b"))["type"] == "accepted"
+        await c.generate("b", prompt="x", max_tokens=2000)
         await c.send(type="cancel", id="b")
         _, done = await c.until_done("b")
         assert done["finish_reason"] == "cancelled"
@@ -55,8 +44,7 @@ async def test_request_cancel_resume_and_close_metrics(redis_server, metrics_sta
         assert value(gw, "gateway_resumes_total", outcome="resume_expired") == 1
 
         # a socket that drops with a request running: not resumed within the grace, it is cancelled
-        await c.send(type="generate", id="c", prompt="x", max_tokens=2000)
-        assert (await c.recv("c"))["type"] == "accepted"
+        await c.generate("c", prompt="x", max_tokens=2000)
         c.ws.transport.abort()
         assert await eventually(lambda: value(gw, "gateway_socket_closes_total", reason="lost") == 1)
         assert await eventually(lambda: value(gw, "gateway_cancels_total", origin="orphan") == 1, timeout=10)

@@ -10,42 +10,21 @@ serves the module; each test starts its own in-process gateway.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
-import uuid
-
-import pytest
 
 from tests.gateway_client import GatewayClient, eventually, masked_frame, open_raw_socket, send_until_blocked
-from tests.stack_fixtures import gateway_in_process, gateway_settings, start_worker
+from tests.stack_fixtures import StackSpec, gateway_in_process
 
 LONG = 1500
 
 
-@pytest.fixture(scope="module")
-def prefix():
-    return f"gp{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def worker(redis_server, prefix, tiny_model_dir, tmp_path_factory):
-    proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"), name="w-promises",
-                        env={"MAX_BATCH": "2", "MAX_PROMPT_TOKENS": "64", "WORKER_HEARTBEAT_S": "0.5"})
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def make_settings(redis_server, prefix, worker):
-    return functools.partial(gateway_settings, redis_server.url, prefix, resume_grace_s=0, sweep_interval_s=0.1)
+STACK = StackSpec("w-promises", env={"MAX_BATCH": "2", "MAX_PROMPT_TOKENS": "64", "WORKER_HEARTBEAT_S": "0.5"},
+                  gateway=dict(resume_grace_s=0, sweep_interval_s=0.1))
 
 
 async def run(c: GatewayClient, cid: str, **params) -> tuple[str, list[dict], dict]:
-    params.setdefault("prompt", "Once upon a time")
-    await c.send(type="generate", id=cid, **params)
-    accepted = await c.recv(cid)
-    assert accepted["type"] == "accepted", accepted
+    await c.generate(cid, **params)
     chunks, done = await c.until_done(cid, timeout=60)
     return "".join(ch["text"] for ch in chunks), chunks, done
 
@@ -65,11 +44,10 @@ async def test_a_client_that_stops_reading_is_closed_as_slow_consumer(make_setti
         t0 = time.monotonic()
         _, _, done = await run(other, "fast", max_tokens=50)
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
-        while gw.hub.metrics.slow_consumers._value.get() < 1 and time.monotonic() - t0 < 90:
-            await asyncio.sleep(0.1)
-        assert gw.hub.metrics.slow_consumers._value.get() == 1, "the non-reading client was never closed"
-        await eventually(lambda: len(gw.hub.connections) == 1, timeout=5)
-        assert len(gw.hub.connections) == 1                  # only the reading client remains
+        assert await eventually(lambda: gw.hub.metrics.slow_consumers._value.get() >= 1, timeout=90, interval=0.1), \
+            "the non-reading client was never closed"
+        assert gw.hub.metrics.slow_consumers._value.get() == 1
+        assert await eventually(lambda: len(gw.hub.connections) == 1, timeout=5)   # only the reading client remains
         print(f"non-reading client dropped after {time.monotonic() - t0:.1f}s")
         sock.close()
         await other.close()
@@ -111,11 +89,9 @@ async def test_cancel_of_a_request_still_in_the_queue(make_settings):
     async with gateway_in_process(make_settings(cancel_fallback_s=60)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
         for cid in ("busy1", "busy2"):                                # MAX_BATCH 2: the worker is full
-            await c.send(type="generate", id=cid, prompt="Once", max_tokens=LONG)
-            assert (await c.recv(cid))["type"] == "accepted"
+            await c.generate(cid, prompt="Once", max_tokens=LONG)
             assert (await c.recv(cid))["type"] == "chunk"
-        await c.send(type="generate", id="queued", prompt="Once", max_tokens=LONG)
-        assert (await c.recv("queued"))["type"] == "accepted"
+        await c.generate("queued", prompt="Once", max_tokens=LONG)
         await asyncio.sleep(0.3)
         t0 = time.monotonic()
         await c.send(type="cancel", id="queued")

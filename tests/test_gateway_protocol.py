@@ -20,7 +20,7 @@ from gateway.settings import GatewaySettings
 from shared.errors import ErrorCode, ProtocolError
 from shared.localredis import free_port
 from shared.streams import Keys
-from tests.gateway_client import GatewayClient
+from tests.gateway_client import GatewayClient, eventually
 from tests.stack_fixtures import gateway_in_process, gateway_settings
 
 
@@ -172,10 +172,9 @@ async def test_healthz_readyz_metrics_and_page(redis_server, stream_prefix):
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw:
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert (await http.get("/healthz")).status_code == 200
-            for _ in range(50):
-                if (await http.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.05)
+            async def ready() -> bool:
+                return (await http.get("/readyz")).status_code == 200
+            assert await eventually(ready, timeout=5, interval=0.05)
             assert (await http.get("/readyz")).json()["ready"] is True
             c = await GatewayClient.connect(gw.ws_url)
             await c.ws.send("junk")

@@ -9,56 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-import uuid
 
-import pytest
-
-from gateway.settings import GatewaySettings
-from shared.streams import ENTRY_FIELD, Keys, decode_event, encode_done, encode_tok, history_id, pack_event_list
+from shared.streams import ENTRY_FIELD, Keys, encode_done, encode_tok, history_id, pack_event_list
 from tests.gateway_client import GatewayClient
-from tests.stack_fixtures import gateway_in_process, start_worker
+from tests.stack_fixtures import StackSpec, gateway_in_process, gateway_settings
+from tests.worker_redis import read_events, silent_worker, text_of
 
 ITERATIONS = 60
 PARALLEL = 6
 
 
-@pytest.fixture(scope="module")
-def resume_prefix():
-    return f"rs{uuid.uuid4().hex[:8]}"
+STACK = StackSpec("w-resume", env={"MAX_BATCH": "32", "WORKER_HEARTBEAT_S": "0.5"})
 
 
-@pytest.fixture(scope="module")
-def resume_worker(redis_server, resume_prefix, tiny_model_dir, tmp_path_factory):
-    proc = start_worker(redis_server.url, resume_prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"),
-                        name="w-resume", env={"MAX_BATCH": "32", "WORKER_HEARTBEAT_S": "0.5"})
-    yield proc
-    proc.stop()
-
-
-async def history(redis_client, prefix: str, rid: str) -> list[dict]:
-    return [decode_event(f[ENTRY_FIELD]) for _, f in await redis_client.xrange(Keys(prefix).out(rid))]
-
-
-async def wait_final(redis_client, prefix: str, rid: str, timeout: float = 60.0) -> list[dict]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        events = await history(redis_client, prefix, rid)
-        if events and events[-1]["k"] in ("done", "err"):
-            return events
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{rid} never finished")
-
-
-async def test_abrupt_close_then_quick_resume_elsewhere_loses_and_repeats_nothing(
-        redis_server, redis_client, resume_prefix, resume_worker):
-    settings = dict(redis_url=redis_server.url, stream_prefix=resume_prefix, heartbeat_s=0, ping_timeout_s=0,
-                    resume_grace_s=30, sweep_interval_s=0.1, flush_interval_ms=30, flush_max_tokens=16,
-                    per_key_concurrency=1000, per_key_rate_per_min=100000)
+async def test_abrupt_close_then_quick_resume_elsewhere_loses_and_repeats_nothing(redis_client, stack):
+    settings = stack.settings(resume_grace_s=30, sweep_interval_s=0.1, flush_interval_ms=30, flush_max_tokens=16,
+                              per_key_concurrency=1000, per_key_rate_per_min=100000)
     rng = random.Random(13)
-    async with gateway_in_process(GatewaySettings(**settings)) as gw_a, \
-            gateway_in_process(GatewaySettings(**settings)) as gw_b:
+    async with gateway_in_process(settings) as gw_a, gateway_in_process(settings) as gw_b:
         failures: list[str] = []
 
         async def one(i: int) -> None:
@@ -67,10 +35,7 @@ async def test_abrupt_close_then_quick_resume_elsewhere_loses_and_repeats_nothin
             # already open, so the resume follows A's drop by 2-3 ms; half on the same replica (whose
             # reader still holds A's subscription then), half on another one
             b = await GatewayClient.connect((gw_a if i % 4 in (1, 2) else gw_b).ws_url)
-            await a.send(type="generate", id=cid, prompt=f"Story {i}:", max_tokens=120, temperature=0.0)
-            accepted = await a.recv(cid, timeout=30)
-            assert accepted["type"] == "accepted", accepted
-            rid = accepted["request_id"]
+            rid = await a.generate(cid, prompt=f"Story {i}:", max_tokens=120)
             seen = []
             for _ in range(rng.randint(2, 4)):
                 msg = await a.recv(cid, timeout=30)
@@ -89,8 +54,7 @@ async def test_abrupt_close_then_quick_resume_elsewhere_loses_and_repeats_nothin
             await b.close()
             a.ws.transport.abort()
             assert done["type"] == "done", done
-            events = await wait_final(redis_client, resume_prefix, rid)
-            expected = "".join(e.get("text", "") for e in events if e["k"] == "tok")
+            expected = text_of(await read_events(redis_client, stack.keys, rid))
             got = "".join(ch["text"] for ch in seen + rest)
             if rest and seen and rest[0]["seq"] - rest[0]["tokens"] != last_seq:
                 failures.append(f"{cid}: resumed after seq {last_seq}, first chunk covers "
@@ -115,15 +79,10 @@ async def test_a_live_event_past_a_gap_is_completed_from_history(redis_server, s
     entry was trimmed) are completed from the history, in order, before the later ones are shown.
     The 'worker' here is the test itself, writing history and inbox entries as a worker does."""
     keys = Keys(stream_prefix)
-    await redis_client.zadd(keys.workers, {"silent": int(time.time() * 1000) + 600_000})   # admission: a live worker
-    settings = GatewaySettings(redis_url=redis_server.url, stream_prefix=stream_prefix, heartbeat_s=0,
-                               ping_timeout_s=0, flush_interval_ms=0)
-    async with gateway_in_process(settings) as gw:
+    await silent_worker(redis_client, keys)
+    async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, flush_interval_ms=0)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        await c.send(type="generate", id="g1", prompt="x", max_tokens=10)
-        accepted = await c.recv("g1")
-        assert accepted["type"] == "accepted"
-        rid = accepted["request_id"]
+        rid = await c.generate("g1", prompt="x", max_tokens=10)
         inbox = keys.inbox((await redis_client.hget(keys.meta(rid), "gw")).decode())
         toks = [encode_tok(rid, seq, [seq], text, 1, 0) for seq, text in ((1, "A"), (2, "B"), (3, "C"))]
         for seq, ev in enumerate(toks, 1):

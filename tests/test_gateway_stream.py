@@ -8,7 +8,6 @@ settings it needs.
 from __future__ import annotations
 
 import asyncio
-import functools
 import signal
 import time
 import uuid
@@ -19,68 +18,32 @@ import pytest
 import websockets
 
 from gateway.auth import hash_key
-from shared.streams import ENTRY_FIELD, Keys, decode_event
-from tests.gateway_client import GatewayClient
-from tests.stack_fixtures import gateway_in_process, gateway_settings, start_gateway, start_worker
+from shared.streams import ENTRY_FIELD
+from tests.gateway_client import GatewayClient, eventually, masked_frame
+from tests.stack_fixtures import Stack, StackSpec, gateway_in_process, start_gateway
+from tests.worker_redis import history, read_events, text_of
 
 LONG = 1500   # max_tokens for a request that must still be running when the test acts on it
 
 
-@pytest.fixture(scope="module")
-def worker_prefix():
-    return f"gw{uuid.uuid4().hex[:8]}"
+STACK = StackSpec("w-gateway", env={"MAX_BATCH": "32", "WORKER_HEARTBEAT_S": "0.5"},
+                  gateway=dict(resume_grace_s=0, sweep_interval_s=0.1))
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server, worker_prefix, tiny_model_dir, tmp_path_factory):
-    proc = start_worker(redis_server.url, worker_prefix, tiny_model_dir, tmp_path_factory.mktemp("logs"),
-                        name="w-gateway", env={"MAX_BATCH": "32", "WORKER_HEARTBEAT_S": "0.5"})
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def make_settings(redis_server, worker_prefix, worker):
-    return functools.partial(gateway_settings, redis_server.url, worker_prefix, resume_grace_s=0, sweep_interval_s=0.1)
-
-
-async def out_events(redis_client, prefix: str, rid: str) -> list[dict]:
-    return [decode_event(f[ENTRY_FIELD]) for _, f in await redis_client.xrange(Keys(prefix).out(rid))]
-
-
-async def wait_final(redis_client, prefix: str, rid: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        events = await out_events(redis_client, prefix, rid)
-        if events and events[-1]["k"] in ("done", "err"):
-            return events[-1]
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"request {rid} never finished")
-
-
-def stream_text(events: list[dict]) -> str:
-    return "".join(e.get("text", "") for e in events if e["k"] == "tok")
-
-
-async def start(client: GatewayClient, id: str, **params) -> str:
-    params.setdefault("prompt", "Once upon a time")
-    params.setdefault("temperature", 0.0)
-    await client.send(type="generate", id=id, **params)
-    accepted = await client.recv(id)
-    assert accepted["type"] == "accepted", accepted
-    return accepted["request_id"]
+async def wait_final(redis_client, stack: Stack, rid: str, timeout: float = 30.0) -> dict:
+    return (await read_events(redis_client, stack.keys, rid, timeout=timeout))[-1]
 
 
 # ---------------------------------------------------------------------------- streaming
 
 
 async def test_stream_is_chunked_first_token_at_once_and_matches_the_worker_output(make_settings, redis_client,
-                                                                                  worker_prefix):
+                                                                                  stack):
     async with gateway_in_process(make_settings(flush_interval_ms=1000, flush_max_tokens=8)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        rid = await start(c, "s1", max_tokens=80)
+        rid = await c.generate("s1", max_tokens=80)
         chunks, done = await c.until_done("s1")
-        events = await out_events(redis_client, worker_prefix, rid)
+        events = await history(redis_client, stack.keys, rid)
         n_events = sum(e["k"] == "tok" for e in events)
         n_tokens = sum(e["n"] for e in events if e["k"] == "tok")
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
@@ -95,13 +58,13 @@ async def test_stream_is_chunked_first_token_at_once_and_matches_the_worker_outp
         assert all(ch["tokens"] >= 8 for ch in chunks[1:-1]), [ch["tokens"] for ch in chunks]
         total = sum(ch["tokens"] for ch in chunks)
         assert len(chunks) <= total // 8 + 2 and len(chunks) <= n_events
-        assert "".join(ch["text"] for ch in chunks) == stream_text(events)
+        assert "".join(ch["text"] for ch in chunks) == text_of(events)
         assert sum(ch["tokens"] for ch in chunks) == done["usage"]["completion_tokens"]
         assert done["usage"]["ttft_ms"] <= done["usage"]["total_ms"]
         await c.close()
 
 
-async def test_many_requests_multiplexed_on_one_socket_msgpack(make_settings, redis_client, worker_prefix):
+async def test_many_requests_multiplexed_on_one_socket_msgpack(make_settings, redis_client, stack):
     async with gateway_in_process(make_settings(flush_interval_ms=40)) as gw:
         c = await GatewayClient.connect(gw.ws_url, binary=True)
         ids = [f"m{i}" for i in range(12)]
@@ -115,10 +78,9 @@ async def test_many_requests_multiplexed_on_one_socket_msgpack(make_settings, re
         for id in ids:
             chunks, done = await c.until_done(id)
             assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
-            events = await out_events(redis_client, worker_prefix, rids[id])
-            assert "".join(ch["text"] for ch in chunks) == stream_text(events)
-        await c.send(type="generate", id="m0", prompt="again", max_tokens=2)   # ids are reusable after done
-        assert (await c.recv("m0"))["type"] == "accepted"
+            events = await history(redis_client, stack.keys, rids[id])
+            assert "".join(ch["text"] for ch in chunks) == text_of(events)
+        await c.generate("m0", prompt="again", max_tokens=2)   # ids are reusable after done
         await c.until_done("m0")
         await c.close()
 
@@ -126,10 +88,10 @@ async def test_many_requests_multiplexed_on_one_socket_msgpack(make_settings, re
 async def test_duplicate_id_and_per_socket_cap(make_settings):
     async with gateway_in_process(make_settings(max_requests_per_socket=2)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        await start(c, "a", max_tokens=LONG)
+        await c.generate("a", max_tokens=LONG)
         await c.send(type="generate", id="a", prompt="x")
         assert (await c.recv("a", skip=("heartbeat", "chunk")))["code"] == "duplicate_id"
-        await start(c, "b", max_tokens=LONG)
+        await c.generate("b", max_tokens=LONG)
         await c.send(type="generate", id="c", prompt="x")
         assert (await c.recv("c"))["code"] == "too_many_requests_on_socket"
         for id in ("a", "b"):
@@ -153,9 +115,7 @@ async def test_a_first_token_that_beats_accepted_does_not_freeze_the_gateway(mak
 
         gw.hub.submitter.submit = slow_reply
         c = await GatewayClient.connect(gw.ws_url)
-        await c.send(type="generate", id="f1", prompt="Once upon a time", max_tokens=16, temperature=0.0)
-        accepted = await c.recv("f1", timeout=10)
-        assert accepted["type"] == "accepted", accepted
+        await c.generate("f1", max_tokens=16, timeout=10)
         chunks, done = await c.until_done("f1", timeout=30)
         assert done["type"] == "done" and sum(ch["tokens"] for ch in chunks) == done["usage"]["completion_tokens"]
         await c.close()
@@ -164,60 +124,52 @@ async def test_a_first_token_that_beats_accepted_does_not_freeze_the_gateway(mak
 # ---------------------------------------------------------------------------- cancel / disconnect
 
 
-async def test_cancel_stops_the_worker_soon_after_it_lands(make_settings, redis_client, worker_prefix):
+async def test_cancel_stops_the_worker_soon_after_it_lands(make_settings, redis_client, stack):
     async with gateway_in_process(make_settings(flush_interval_ms=0)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        rid = await start(c, "c1", max_tokens=LONG)
+        rid = await c.generate("c1", max_tokens=LONG)
         for _ in range(5):
             assert (await c.recv("c1"))["type"] == "chunk"
         await c.send(type="cancel", id="c1")
         chunks, done = await c.until_done("c1")
         assert done["finish_reason"] == "cancelled"
-        final = await wait_final(redis_client, worker_prefix, rid)
+        final = await wait_final(redis_client, stack, rid)
         assert final["k"] == "done" and final["finish_reason"] == "cancelled"
         # where the cancel reached the worker: the entry on its control stream (its id carries
         # Redis' clock in ms); the final event carries the worker's clock in `ms` (same host).
         # How fast a cancel lands is measured by bench/e2e.py (cancel -> done); this test only
         # checks that the generation stopped soon after, with a bound no loaded box can miss.
-        ctl = [(eid, f) for eid, f in await redis_client.xrange(Keys(worker_prefix).ctl("w-gateway"))
+        ctl = [(eid, f) for eid, f in await redis_client.xrange(stack.keys.ctl("w-gateway"))
                if msgpack.unpackb(f[ENTRY_FIELD])["rid"] == rid]
         assert len(ctl) == 1
         ctl_ms = int(ctl[0][0].split(b"-")[0])
         assert final["ms"] - ctl_ms < 5000, final["ms"] - ctl_ms
         assert done["seq"] < LONG
-        n = await redis_client.xlen(Keys(worker_prefix).out(rid))
+        n = await redis_client.xlen(stack.keys.out(rid))
         await asyncio.sleep(0.3)
-        assert await redis_client.xlen(Keys(worker_prefix).out(rid)) == n    # nothing after done
+        assert await redis_client.xlen(stack.keys.out(rid)) == n    # nothing after done
         await c.close()
 
 
-async def test_client_disconnect_mid_stream_cancels_the_generation(make_settings, redis_client, worker_prefix):
+async def test_client_disconnect_mid_stream_cancels_the_generation(make_settings, redis_client, stack):
     async with gateway_in_process(make_settings(resume_grace_s=0)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        rid = await start(c, "d1", max_tokens=LONG)
+        rid = await c.generate("d1", max_tokens=LONG)
         assert (await c.recv("d1"))["type"] == "chunk"
         c.ws.transport.abort()                             # connection lost: no close frame
-        final = await wait_final(redis_client, worker_prefix, rid, timeout=15)
+        final = await wait_final(redis_client, stack, rid, timeout=15)
         assert final["k"] == "done" and final["finish_reason"] == "cancelled"
         assert final["seq"] < LONG
         # the socket's concurrency slot and request are gone from this replica
-        for _ in range(50):
-            if not gw.hub.connections:
-                break
-            await asyncio.sleep(0.05)
-        assert not gw.hub.connections
+        assert await eventually(lambda: not gw.hub.connections, timeout=2.5)
 
 
-async def test_disconnect_then_resume_on_another_replica_loses_nothing(make_settings, redis_client, worker_prefix):
+async def test_disconnect_then_resume_on_another_replica_loses_nothing(make_settings, redis_client, stack):
     settings = make_settings(resume_grace_s=10, flush_interval_ms=30)
     async with gateway_in_process(settings) as gw_a, gateway_in_process(settings) as gw_b:
         a = await GatewayClient.connect(gw_a.ws_url)
-        rid = await start(a, "r1", max_tokens=400)
-        seen = []
-        while sum(ch["tokens"] for ch in seen) < 20:
-            msg = await a.recv("r1")
-            assert msg["type"] == "chunk"
-            seen.append(msg)
+        rid = await a.generate("r1", max_tokens=400)
+        seen = await a.chunks("r1", 20)
         last_seq = seen[-1]["seq"]
         await a.close()                                    # connection lost mid-stream
 
@@ -228,8 +180,8 @@ async def test_disconnect_then_resume_on_another_replica_loses_nothing(make_sett
         rest, done = await b.until_done("r1")
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop"), done
         assert rest[0]["seq"] > last_seq
-        events = await out_events(redis_client, worker_prefix, rid)
-        assert "".join(ch["text"] for ch in seen + rest) == stream_text(events)   # nothing lost, nothing twice
+        events = await history(redis_client, stack.keys, rid)
+        assert "".join(ch["text"] for ch in seen + rest) == text_of(events)   # nothing lost, nothing twice
         assert done["seq"] == sum(e["n"] for e in events if e["k"] == "tok")
         await b.close()
 
@@ -238,20 +190,20 @@ async def test_disconnect_then_resume_on_another_replica_loses_nothing(make_sett
         await c.send(type="resume", id="r1", last_seq=0, request_id=rid)
         assert (await c.recv("r1"))["type"] == "accepted"
         again, done2 = await c.until_done("r1")
-        assert "".join(ch["text"] for ch in again) == stream_text(events) and done2["seq"] == done["seq"]
+        assert "".join(ch["text"] for ch in again) == text_of(events) and done2["seq"] == done["seq"]
         await c.send(type="resume", id="never-existed", last_seq=0, request_id=uuid.uuid4().hex)
         assert (await c.recv("never-existed"))["code"] == "resume_expired"
         await c.close()
 
 
-async def test_unresumed_orphan_is_cancelled_after_the_grace(make_settings, redis_client, worker_prefix):
+async def test_unresumed_orphan_is_cancelled_after_the_grace(make_settings, redis_client, stack):
     async with gateway_in_process(make_settings(resume_grace_s=0.5)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        rid = await start(c, "o1", max_tokens=LONG)
+        rid = await c.generate("o1", max_tokens=LONG)
         assert (await c.recv("o1"))["type"] == "chunk"
         t0 = time.monotonic()
         await c.close()
-        final = await wait_final(redis_client, worker_prefix, rid, timeout=15)
+        final = await wait_final(redis_client, stack, rid, timeout=15)
         assert final["finish_reason"] == "cancelled" and final["seq"] < LONG
         assert time.monotonic() - t0 >= 0.4            # it did wait for a resume first
 
@@ -279,22 +231,19 @@ async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
 
         flooder = asyncio.create_task(flood())
         t0 = time.monotonic()
-        await start(fast, "f1", max_tokens=200)
+        await fast.generate("f1", max_tokens=200)
         _, done = await fast.until_done("f1", timeout=60)
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
         fast_s = time.monotonic() - t0
         await asyncio.wait_for(flooder, 60)
-        for _ in range(200):
-            if gw.hub.metrics.slow_consumers._value.get() >= 1:
-                break
-            await asyncio.sleep(0.05)
+        assert await eventually(lambda: gw.hub.metrics.slow_consumers._value.get() >= 1, timeout=10)
         assert gw.hub.metrics.slow_consumers._value.get() == 1
         assert len(gw.hub.connections) == 1                  # only the fast client remains
         print(f"fast client finished 200 tokens in {fast_s:.2f}s next to a non-reading client")
         await fast.close()
 
 
-async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings, redis_client, worker_prefix):
+async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings, redis_client, stack):
     settings = make_settings(heartbeat_s=0.3, ws_ping_s=0.3, ping_timeout_s=0.5)
     async with gateway_in_process(settings) as gw:
         idle = await GatewayClient.connect(gw.ws_url)
@@ -310,28 +259,17 @@ async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings,
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         assert b"101" in head.split(b"\r\n")[0]
-        writer.write(_masked_text_frame(
-            '{"type":"generate","id":"z","prompt":"hello","max_tokens":%d,"temperature":0}' % LONG))
+        writer.write(masked_frame(
+            b'{"type":"generate","id":"z","prompt":"hello","max_tokens":%d,"temperature":0}' % LONG))
         await writer.drain()
-        rid = None
-        for _ in range(100):
-            rid = next((r.rid for conn in gw.hub.connections for r in conn.requests.values()), None)
-            if rid:
-                break
-            await asyncio.sleep(0.02)
-        assert rid
-        final = await wait_final(redis_client, worker_prefix, rid, timeout=20)
+        def its_rid() -> str | None:
+            return next((r.rid for conn in gw.hub.connections for r in conn.requests.values()), None)
+        assert await eventually(its_rid, timeout=2)
+        rid = its_rid()
+        final = await wait_final(redis_client, stack, rid, timeout=20)
         assert final["finish_reason"] == "cancelled"
         writer.close()
 
-
-def _masked_text_frame(text: str) -> bytes:
-    payload = text.encode()
-    mask = b"\x01\x02\x03\x04"
-    header = bytes([0x81])
-    n = len(payload)
-    header += bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
-    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
 
 # ---------------------------------------------------------------------------- limits / admission
@@ -341,22 +279,21 @@ async def test_per_key_concurrency_is_shared_across_replicas_and_rate_limit(make
     keys = f"team:{hash_key('sk-team')}"
     settings = make_settings(api_keys=keys, per_key_concurrency=2, per_key_rate_per_min=5)
     headers = {"Authorization": "Bearer sk-team"}
-    if time.time() % 60 > 50:                      # keep the test inside one fixed rate window
-        await asyncio.sleep(61 - time.time() % 60)
     async with gateway_in_process(settings) as gw_a, gateway_in_process(settings) as gw_b:
+        for gw in (gw_a, gw_b):                    # one fixed rate window (a clock minute) for the whole test
+            gw.hub.submitter.clock = lambda: 600.0
         a = await GatewayClient.connect(gw_a.ws_url, headers=headers)
         b = await GatewayClient.connect(gw_b.ws_url, headers=headers)
-        await start(a, "k1", max_tokens=LONG)
-        await start(b, "k2", max_tokens=LONG)
+        await a.generate("k1", max_tokens=LONG)
+        await b.generate("k2", max_tokens=LONG)
         await b.send(type="generate", id="k3", prompt="x", max_tokens=5)
         err = await b.recv("k3")
         assert err["code"] == "concurrency_limit" and err["retryable"] is True
         await a.send(type="cancel", id="k1")
         await a.until_done("k1")
-        await start(b, "k3", max_tokens=2)                   # a slot is free again
+        await b.generate("k3", max_tokens=2)                   # a slot is free again
         await b.until_done("k3")
-        await b.send(type="generate", id="k4", prompt="x", max_tokens=2)   # 5th attempt this minute: ok
-        assert (await b.recv("k4"))["type"] == "accepted"
+        await b.generate("k4", prompt="x", max_tokens=2)   # 5th attempt this minute: ok
         await b.until_done("k4")
         await b.send(type="generate", id="k5", prompt="x", max_tokens=2)   # 6th: rate limited
         assert (await b.recv("k5"))["code"] == "rate_limited"
@@ -369,13 +306,13 @@ async def test_per_key_concurrency_is_shared_across_replicas_and_rate_limit(make
 # ---------------------------------------------------------------------------- graceful shutdown
 
 
-async def test_sigterm_tells_clients_to_resume_elsewhere(redis_server, worker_prefix, worker, make_settings,
+async def test_sigterm_tells_clients_to_resume_elsewhere(redis_server, stack, make_settings,
                                                          tmp_path, redis_client):
-    proc, base = start_gateway(redis_server.url, worker_prefix, tmp_path,
+    proc, base = start_gateway(redis_server.url, stack.prefix, tmp_path,
                                env={"RESUME_GRACE_S": "10", "HEARTBEAT_S": "0"})
     try:
         c = await GatewayClient.connect(base.replace("http", "ws") + "/v1/stream")
-        rid = await start(c, "g1", max_tokens=300)
+        rid = await c.generate("g1", max_tokens=300)
         seen = [await c.recv("g1")]
         proc.signal(signal.SIGTERM)
         while True:
@@ -397,8 +334,8 @@ async def test_sigterm_tells_clients_to_resume_elsewhere(redis_server, worker_pr
             assert accepted["type"] == "accepted", accepted
             rest, done = await d.until_done("g1")
             assert done["finish_reason"] in ("length", "stop")
-            events = await out_events(redis_client, worker_prefix, rid)
-            assert "".join(ch["text"] for ch in seen + rest) == stream_text(events)
+            events = await history(redis_client, stack.keys, rid)
+            assert "".join(ch["text"] for ch in seen + rest) == text_of(events)
             await d.close()
     finally:
         proc.stop()
@@ -407,7 +344,7 @@ async def test_sigterm_tells_clients_to_resume_elsewhere(redis_server, worker_pr
 async def test_metrics_count_outcomes_ttft_and_flushes(make_settings):
     async with gateway_in_process(make_settings()) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        await start(c, "x1", max_tokens=20)
+        await c.generate("x1", max_tokens=20)
         await c.until_done("x1")
         async with httpx.AsyncClient(base_url=gw.base) as http:
             text = (await http.get("/metrics")).text

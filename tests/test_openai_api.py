@@ -20,9 +20,11 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.settings import GatewaySettings
-from shared.streams import ENTRY_FIELD, Keys, decode_event
+from shared.streams import Keys
 from llm_stream_client import StreamClient
+from tests.gateway_client import eventually
 from tests.stack_fixtures import gateway_in_process, prefix_with_worker, start_gateway
+from tests.worker_redis import read_events, worker_info
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -31,7 +33,7 @@ CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 @pytest.fixture(scope="module")
 def oai_stack(redis_server, tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    env = {"WORKER_HEARTBEAT_S": 0.5}      # the worker's step counter, which the cancel test watches
+    env = {"WORKER_HEARTBEAT_S": 0.5}      # its registry entry (running), which the cancel test watches
     with prefix_with_worker(redis_server.url, tiny_model_dir, logs, name="w-oai", env=env) as prefix:
         yield prefix
 
@@ -138,10 +140,6 @@ async def test_errors_have_openai_shape_and_status(redis_server, oai_stack):
 
 async def test_client_disconnect_cancels_and_the_worker_stops(redis_server, redis_client, oai_stack):
     keys = Keys(oai_stack)
-
-    async def steps() -> int:
-        return int(await redis_client.hget(keys.worker("w-oai"), "steps") or 0)
-
     async with gateway_in_process(settings(redis_server, oai_stack)) as gw:
         client = oai(gw)
         stream = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2000, temperature=0,
@@ -153,22 +151,16 @@ async def test_client_disconnect_cancels_and_the_worker_stops(redis_server, redi
                 break
         await stream.close()                      # the HTTP connection goes away
         closed_at = time.monotonic()
-        before = await steps()
-        deadline = time.monotonic() + 20
-        settled = None
-        while time.monotonic() < deadline:        # the worker's step counter stops growing
-            await asyncio.sleep(1.2)
-            after = await steps()
-            if after == before:
-                settled = time.monotonic() - closed_at
-                break
-            before = after
-        assert settled is not None, "the worker kept generating after the client disconnected"
-        # the worker's record of the request ends cancelled, far short of its 2000 tokens
+        # the worker's record of the request ends cancelled, far short of its 2000 tokens ...
         rid = stream.response.headers["x-request-id"]
-        events = [decode_event(f[ENTRY_FIELD]) for _, f in await redis_client.xrange(keys.out(rid))]
+        events = await read_events(redis_client, keys, rid, timeout=20)
         assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "cancelled", events[-1]
         assert events[-1]["usage"]["completion_tokens"] < 2000
+        # ... and it runs nothing any more (its registry entry, refreshed every heartbeat)
+        async def idle() -> bool:
+            return (await worker_info(redis_client, keys, "w-oai")).get("running") == "0"
+        assert await eventually(idle, timeout=10), "the worker kept generating after the client disconnected"
+        settled = time.monotonic() - closed_at
         print(f"disconnect -> worker idle within {settled:.1f}s "
               f"({events[-1]['usage']['completion_tokens']} of 2000 tokens generated)")
 
@@ -187,6 +179,19 @@ def sse_events(lines: list[str]) -> list[tuple[int | None, str]]:
     return events
 
 
+async def sse_dropped_after(http, url: str, body: dict, events: int, **kwargs) -> list[tuple[int | None, str]]:
+    """POST a streaming request and drop the connection once `events` SSE events have come; those
+    events."""
+    lines: list[str] = []
+    async with http.stream("POST", url, json=body, **kwargs) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            lines.append(line)
+            if line == "" and len(sse_events(lines)) >= events:
+                break
+    return sse_events(lines)
+
+
 def contents(events: list[tuple[int | None, str]]) -> str:
     out = []
     for _, data in events:
@@ -197,36 +202,37 @@ def contents(events: list[tuple[int | None, str]]) -> str:
 
 
 async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event_id(redis_server, oai_stack):
-    async with gateway_in_process(settings(redis_server, oai_stack)) as gw_a, \
-            gateway_in_process(settings(redis_server, oai_stack)) as gw_b:
-        reference = (await oai(gw_b).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300,
-                                                             temperature=0)).choices[0].message.content
+    owner, other = "sk-oai-owner", "sk-oai-other"
+    api_keys = ",".join(f"{name}:{hashlib.sha256(k.encode()).hexdigest()}" for name, k in (("a", owner), ("b", other)))
+    auth = {"Authorization": f"Bearer {owner}"}
+    async with gateway_in_process(settings(redis_server, oai_stack, api_keys=api_keys)) as gw_a, \
+            gateway_in_process(settings(redis_server, oai_stack, api_keys=api_keys)) as gw_b:
+        reference = (await oai(gw_b, owner).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300,
+                                                                    temperature=0)).choices[0].message.content
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 300, "temperature": 0, "stream": True,
                 "resumable": True}
-        lines: list[str] = []
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", gw_a.base + "/v1/chat/completions", json=body) as resp:
-                assert resp.status_code == 200
-                async for line in resp.aiter_lines():
-                    lines.append(line)
-                    if line == "" and len([e for e in sse_events(lines) if e[0]]) >= 5:
-                        break                     # drop the connection mid-answer
-        first = sse_events(lines)
+        async with httpx.AsyncClient(timeout=60) as http:            # dropped mid-answer
+            first = await sse_dropped_after(http, gw_a.base + "/v1/chat/completions", body, 6, headers=auth)
         oai_id = json.loads(first[0][1])["id"]
         last_id = first[-1][0]
         assert 0 < last_id and "[DONE]" not in [d for _, d in first]
         await asyncio.sleep(0.5)
         async with httpx.AsyncClient(timeout=60) as http:
-            resp = await http.get(gw_b.base + f"/v1/streams/{oai_id}", headers={"Last-Event-ID": str(last_id)})
+            # a stream of another key, or an unknown id, cannot be resumed
+            for oai_id_, key in ((oai_id, other), ("chatcmpl-nope", owner)):
+                resp = await http.get(gw_b.base + f"/v1/streams/{oai_id_}",
+                                      headers={"Last-Event-ID": str(last_id), "Authorization": f"Bearer {key}"})
+                assert resp.status_code == 404 and resp.json()["error"]["code"] == "resume_expired", resp.text
+            resp = await http.get(gw_b.base + f"/v1/streams/{oai_id}", headers={"Last-Event-ID": str(last_id), **auth})
             assert resp.status_code == 200, resp.text
             rest = sse_events(resp.text.split("\n"))
         assert rest[-1][1] == "[DONE]"
-        assert all(eid is None or eid > last_id for eid, _ in rest[:1])
-        assert contents(first) + contents(rest) == reference
-        # a stream of another key, or an unknown id, cannot be resumed
-        async with httpx.AsyncClient(timeout=10) as http:
-            resp = await http.get(gw_b.base + "/v1/streams/chatcmpl-nope", headers={"Last-Event-ID": "3"})
-            assert resp.status_code == 404 and resp.json()["error"]["code"] == "resume_expired"
+        ids = [eid for eid, _ in rest if eid is not None]
+        text_ids = [eid for eid, data in rest if contents([(eid, data)])]    # the final chunk repeats the last seq
+        assert ids and ids[0] > last_id and ids == sorted(ids), (last_id, ids)
+        assert text_ids and text_ids == sorted(set(text_ids)), text_ids       # every seq after last_id once
+        head = contents(first)
+        assert reference.startswith(head) and contents(rest) == reference[len(head):]   # the whole remainder
 
 
 async def test_draining_gateway_ends_the_sse_stream_resumably(redis_server, oai_stack):

@@ -14,7 +14,6 @@ docs/clients.md's compatibility table is walked by tests/test_openai_compat_tabl
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -30,10 +29,11 @@ from openai import AsyncOpenAI, AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
 from gateway.openai_api import OpenAIResponse
-from shared.streams import ENTRY_FIELD, Keys, decode_event
-from tests.stack_fixtures import _env, gateway_in_process, gateway_settings, prefix_with_worker, spawn, \
-    wait_for_worker
-from tests.test_openai_api import sse_events
+from shared.streams import Keys
+from tests.gateway_client import eventually
+from tests.stack_fixtures import StackSpec, gateway_in_process, gateway_settings, prefix_with_worker, worker_stack
+from tests.test_openai_api import sse_dropped_after, sse_events
+from tests.worker_redis import read_events
 from worker.synthetic import token_at
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -52,13 +52,9 @@ def tiny_stack(redis_server, tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def synth(redis_server, tmp_path_factory):
     """(prefix, worker process) of a synthetic-engine worker: 5 ms steps."""
-    prefix = f"compat{uuid.uuid4().hex[:8]}"
-    proc = spawn("worker.synthetic", _env(redis_server.url, prefix, {"WORKER_ID": "w-compat-synth"}),
-                 tmp_path_factory.mktemp("compat-synth-logs"), "w-compat-synth",
-                 args=("--step-ms", "5", "--max-batch", "64"))
-    wait_for_worker(redis_server.url, prefix, proc)
-    yield prefix, proc
-    proc.stop()
+    with worker_stack(redis_server.url, StackSpec("w-compat-synth", synthetic=True),
+                      tmp_path_factory.mktemp("compat-synth-logs")) as stack:
+        yield stack.prefix, stack.worker
 
 
 def settings(redis_server, prefix, **kw):
@@ -82,15 +78,6 @@ async def cancelled_count(gw) -> float:
         text = (await http.get(gw.base + "/metrics")).text
     match = re.search(r'^gateway_requests_total\{outcome="cancelled"\} (\S+)$', text, re.M)
     return float(match.group(1)) if match else 0.0
-
-
-async def eventually(check, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(0.05)
 
 
 # ---------------------------------------------------------------- models, routes
@@ -252,15 +239,8 @@ async def test_an_aborted_stream_is_counted_cancelled(redis_server, redis_client
                         break
         assert await eventually(lambda: _grew(gw, before, 2))
         # the worker's own record of it ends cancelled, far short of 2000 tokens
-        keys = Keys(prefix)
-
-        async def final():
-            entries = await redis_client.xrange(keys.out(rid))
-            last = decode_event(entries[-1][1][ENTRY_FIELD]) if entries else {}
-            return last if last.get("k") == "done" else None
-
-        last = await eventually(final)
-        assert last and last["finish_reason"] == "cancelled" and last["usage"]["completion_tokens"] < 2000
+        last = (await read_events(redis_client, Keys(prefix), rid, timeout=10))[-1]
+        assert last["k"] == "done" and last["finish_reason"] == "cancelled" and last["usage"]["completion_tokens"] < 2000
         # an answer that ran to its end is not counted as cancelled
         await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5)
         assert await cancelled_count(gw) == before + 2
@@ -270,22 +250,18 @@ async def _grew(gw, before: float, by: int) -> bool:
     return await cancelled_count(gw) == before + by
 
 
-async def test_resuming_a_cancelled_stream_ends_with_an_error_not_a_cancelled_finish_reason(redis_server, synth):
+async def test_resuming_a_cancelled_stream_ends_with_an_error_not_a_cancelled_finish_reason(redis_server, redis_client,
+                                                                                            synth):
     prefix, _ = synth
     async with gateway_in_process(settings(redis_server, prefix)) as gw:
         client = oai(gw)
         # a non-resumable stream, dropped after a few events: cancelled in the worker
-        lines: list[str] = []
         async with httpx.AsyncClient(timeout=30) as http:
-            async with http.stream("POST", gw.base + "/v1/chat/completions", json={
-                    "model": MODEL, "messages": CHAT, "max_tokens": 2000, "stream": True}) as resp:
-                async for line in resp.aiter_lines():
-                    lines.append(line)
-                    if line == "" and len(sse_events(lines)) >= 3:
-                        break
-        first = sse_events(lines)
+            first = await sse_dropped_after(http, gw.base + "/v1/chat/completions",
+                                            {"model": MODEL, "messages": CHAT, "max_tokens": 2000, "stream": True}, 3)
         oai_id, last_id = json.loads(first[0][1])["id"], first[-1][0]
-        await asyncio.sleep(0.5)                      # the worker's `done: cancelled` is in the history
+        final = (await read_events(redis_client, Keys(prefix), oai_id.split("-", 1)[1], timeout=30))[-1]
+        assert final["k"] == "done" and final["finish_reason"] == "cancelled", final    # in the history now
 
         # raw SSE: the rest of what was generated, then an error event and [DONE]; no "cancelled"
         async with httpx.AsyncClient(timeout=30) as http:
@@ -324,7 +300,8 @@ async def test_resuming_a_cancelled_stream_ends_with_an_error_not_a_cancelled_fi
                                                  extra_headers={"Idempotency-Key": key})
         await stream.__anext__()
         await stream.close()
-        await asyncio.sleep(0.5)
+        rid = stream.response.headers["x-request-id"]
+        assert (await read_events(redis_client, Keys(prefix), rid, timeout=10))[-1]["finish_reason"] == "cancelled"
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=2000,
                                             extra_headers={"Idempotency-Key": key})

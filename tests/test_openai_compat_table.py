@@ -14,7 +14,6 @@ Real Redis, an in-process gateway, a tiny-model worker (SmolLM2's real tokenizer
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid
@@ -25,11 +24,15 @@ from typing import Any, Awaitable, Callable
 import httpx
 import openai
 import pytest
+import redis.asyncio as aioredis
 from openai import AsyncOpenAI
 
 from gateway.openai_api import _CHAT_NEUTRAL, _COMMON_NEUTRAL, _COMPLETION_NEUTRAL, IGNORED
+from shared.streams import Keys
+from tests.gateway_client import eventually
 from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker
-from tests.test_openai_api import sse_events
+from tests.test_openai_api import sse_dropped_after, sse_events
+from tests.worker_redis import read_events
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "clients.md"
 MODEL = "SmolLM2-135M-Instruct"
@@ -311,17 +314,15 @@ async def p_finish_reason(ctx: Ctx, _=None) -> str:
     r = await ctx.completion(max_tokens=30, stop=base[10:14])
     assert r.choices[0].finish_reason == "stop"
     # cancelled: a non-resumable stream dropped, then resumed: an error, no finish_reason "cancelled"
-    lines: list[str] = []
-    async with ctx.http.stream("POST", "/v1/chat/completions", json={
-            "model": MODEL, "messages": CHAT, "max_tokens": 2000, "stream": True}) as resp:
-        async for line in resp.aiter_lines():
-            lines.append(line)
-            if line == "" and len(sse_events(lines)) >= 3:
-                break
-    first = sse_events(lines)
-    await asyncio.sleep(1.0)
-    resp = await ctx.http.get(f"/v1/streams/{json.loads(first[0][1])['id']}",
-                              headers={"Last-Event-ID": str(first[-1][0])})
+    first = await sse_dropped_after(ctx.http, "/v1/chat/completions",
+                                    {"model": MODEL, "messages": CHAT, "max_tokens": 2000, "stream": True}, 3)
+    oai_id = json.loads(first[0][1])["id"]
+    redis = aioredis.from_url(ctx.gw.settings.redis_url)
+    try:        # the worker's `done: cancelled` is in the request's history
+        await read_events(redis, Keys(ctx.gw.settings.stream_prefix), oai_id.split("-", 1)[1], timeout=10)
+    finally:
+        await redis.aclose()
+    resp = await ctx.http.get(f"/v1/streams/{oai_id}", headers={"Last-Event-ID": str(first[-1][0])})
     rest = sse_events(resp.text.split("\n"))
     finishes = {c["finish_reason"] for _, d in rest if d != "[DONE]" for c in json.loads(d).get("choices", [])}
     assert finishes <= {None} and json.loads(rest[-2][1])["error"]["code"] == "request_cancelled", resp.text
@@ -361,13 +362,7 @@ async def p_priority(ctx: Ctx, _=None) -> str:
 async def p_resume(ctx: Ctx, _=None) -> str:
     reference = (await ctx.chat(max_tokens=40)).choices[0].message.content
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 40, "temperature": 0, "stream": True, "resumable": True}
-    lines: list[str] = []
-    async with ctx.http.stream("POST", "/v1/chat/completions", json=body) as resp:
-        async for line in resp.aiter_lines():
-            lines.append(line)
-            if line == "" and len(sse_events(lines)) >= 3:
-                break
-    first = sse_events(lines)
+    first = await sse_dropped_after(ctx.http, "/v1/chat/completions", body, 3)
     resp = await ctx.http.get(f"/v1/streams/{json.loads(first[0][1])['id']}",
                               headers={"Last-Event-ID": str(first[-1][0])})
     rest = sse_events(resp.text.split("\n"))
@@ -396,11 +391,9 @@ async def p_abort(ctx: Ctx, _=None) -> str:
     stream = await ctx.chat(max_tokens=2000, stream=True)
     await stream.__anext__()
     await stream.close()
-    for _ in range(100):
-        if await cancelled(ctx) == before + 1:
-            return "yes"
-        await asyncio.sleep(0.05)
-    return "not counted"
+    async def counted() -> bool:
+        return await cancelled(ctx) == before + 1
+    return "yes" if await eventually(counted, timeout=5, interval=0.05) else "not counted"
 
 
 async def p_request_id(ctx: Ctx, _=None) -> str:

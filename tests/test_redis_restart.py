@@ -22,7 +22,7 @@ from shared.peer_liveness import PeerLiveness
 from shared.redis_client import connect
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str
 from tests.gateway_client import eventually
-from tests.stack_fixtures import _env, spawn, wait_for_worker
+from tests.stack_fixtures import start_workers
 from tests.worker_redis import check_seqs, read_events, submit
 from worker.consumer_group import counters_look_wrong, ensure_group, resync_entries_read, trim_finished
 
@@ -235,12 +235,10 @@ async def test_redis_restarts_under_load_keep_admitting_and_never_move_a_live_wo
     end exactly (every token once, in order)."""
     server = LocalRedis(appendonly=True).start()
     keys = Keys("rs")
-    procs = [spawn("worker.synthetic", _env(server.url, "rs", {**WORKER_ENV, "WORKER_ID": name}), tmp_path, name,
-                   args=("--step-ms", "10", "--max-batch", str(SLOTS))) for name in WORKERS]
+    procs = await asyncio.to_thread(start_workers, server.url, "rs", None, tmp_path, WORKERS, env=WORKER_ENV,
+                                    step_ms=10, max_batch=SLOTS)
     redis = connect(server.url)
     try:
-        for p in procs:
-            await asyncio.to_thread(wait_for_worker, server.url, "rs", p, count=len(WORKERS))
         admission = Admission(redis, keys, max_depth=len(WORKERS) * SLOTS + 6, worker_ttl_s=TTL_S, cache_ms=0)
 
         async def churn(n: int) -> None:

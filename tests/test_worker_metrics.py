@@ -8,29 +8,15 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from shared.localredis import free_port
 from shared.streams import ENTRY_FIELD, Keys, encode_cancel
 from tests.gateway_client import eventually
-from tests.stack_fixtures import start_worker
+from tests.stack_fixtures import metric, metric_samples, start_worker
 from tests.worker_redis import owner_of, read_events, submit, wait_for_tokens
 from worker.metrics import WorkerMetrics
 
 TOKEN = "metrics-secret"
-
-
-def samples(text: str) -> dict[tuple, float]:
-    """{(sample name, sorted label items): value} of a /metrics page."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def get(found: dict, name: str, **labels) -> float:
-    return found.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 async def test_a_worker_reports_its_engine_requests_cancels_and_io(redis_server, redis_client, stream_prefix,
@@ -58,33 +44,33 @@ async def test_a_worker_reports_its_engine_requests_cancels_and_io(redis_server,
 
             async def settled() -> bool:
                 nonlocal found
-                found = samples((await http.get(url, headers=auth)).text)
-                return get(found, "worker_cancel_latency_seconds_count") == 1 and \
-                    get(found, "worker_e2e_request_latency_seconds_count") >= 4 and \
-                    get(found, "worker_kv_blocks", state="cached") > 0     # gauges follow within a second
+                found = metric_samples((await http.get(url, headers=auth)).text)
+                return metric(found, "worker_cancel_latency_seconds_count") == 1 and \
+                    metric(found, "worker_e2e_request_latency_seconds_count") >= 4 and \
+                    metric(found, "worker_kv_blocks", state="cached") > 0     # gauges follow within a second
             assert await eventually(settled, timeout=15, interval=0.2), sorted(found)[:20]
 
-        assert get(found, "worker_generation_tokens_total") >= 3 * 16 + 5
-        assert get(found, "worker_prompt_tokens_total") > 0
-        assert get(found, "worker_step_duration_seconds_count", kind="prefill") >= 1
-        assert get(found, "worker_step_duration_seconds_count", kind="decode") >= 10
-        assert get(found, "worker_batch_size_count") >= 16
-        assert get(found, "worker_batch_size_sum") > get(found, "worker_batch_size_count")   # some steps batched
-        assert get(found, "worker_iteration_tokens_count", kind="decode") >= 10
+        assert metric(found, "worker_generation_tokens_total") >= 3 * 16 + 5
+        assert metric(found, "worker_prompt_tokens_total") > 0
+        assert metric(found, "worker_step_duration_seconds_count", kind="prefill") >= 1
+        assert metric(found, "worker_step_duration_seconds_count", kind="decode") >= 10
+        assert metric(found, "worker_batch_size_count") >= 16
+        assert metric(found, "worker_batch_size_sum") > metric(found, "worker_batch_size_count")   # some steps batched
+        assert metric(found, "worker_iteration_tokens_count", kind="decode") >= 10
         for name in ("worker_time_to_first_token_seconds_count", "worker_time_to_first_meaningful_token_seconds_count",
                      "worker_request_queue_time_seconds_count", "worker_time_per_output_token_seconds_count"):
-            assert get(found, name) >= 3, name
-        assert get(found, "worker_request_success_total", finish_reason="length") == 3
-        assert get(found, "worker_request_success_total", finish_reason="cancelled") == 1
-        assert get(found, "worker_cancels_total") == 1
-        assert 0 <= get(found, "worker_cancel_latency_seconds_sum") < 5
-        assert get(found, "worker_output_commit_requests_count") > 0
-        assert get(found, "worker_engine_healthy") == 1
-        assert get(found, "worker_kv_cache_usage_perc") == 0       # nothing runs now
-        assert get(found, "worker_kv_blocks", state="used") == 0
-        assert get(found, "worker_prefix_cache_queries_total") > get(found, "worker_prefix_cache_hits_total") > 0
-        assert get(found, "worker_num_requests_running", lane="interactive") == 0
-        assert get(found, "worker_claims_total") == 0 and get(found, "worker_fenced_writes_total") == 0
+            assert metric(found, name) >= 3, name
+        assert metric(found, "worker_request_success_total", finish_reason="length") == 3
+        assert metric(found, "worker_request_success_total", finish_reason="cancelled") == 1
+        assert metric(found, "worker_cancels_total") == 1
+        assert 0 <= metric(found, "worker_cancel_latency_seconds_sum") < 5
+        assert metric(found, "worker_output_commit_requests_count") > 0
+        assert metric(found, "worker_engine_healthy") == 1
+        assert metric(found, "worker_kv_cache_usage_perc") == 0       # nothing runs now
+        assert metric(found, "worker_kv_blocks", state="used") == 0
+        assert metric(found, "worker_prefix_cache_queries_total") > metric(found, "worker_prefix_cache_hits_total") > 0
+        assert metric(found, "worker_num_requests_running", lane="interactive") == 0
+        assert metric(found, "worker_claims_total") == 0 and metric(found, "worker_fenced_writes_total") == 0
         assert ("process_start_time_seconds", ()) in found
     finally:
         proc.stop()

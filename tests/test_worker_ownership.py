@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 from shared.aio import cancel_and_wait
 from shared.config import Settings
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str, encode_done, encode_tok
+from tests.gateway_client import eventually
 from tests.worker_redis import meta_of, new_rid, pending_after_acks, read_events, submit
 from worker.engine_thread import EngineThread
 from worker.events import InFlight, Progress
@@ -152,12 +152,11 @@ async def test_an_entry_for_a_request_a_live_worker_holds_is_left_to_it_without_
         assert list(intake.contested) == [entry_id] and not intake.table.requests
         assert await redis_client.hgetall(keys.meta(rid)) == before
         st = InFlight.start(rid, entry_id, None, Progress(), epoch=1)
-        deadline = time.monotonic() + 10
-        while intake.contested:
-            assert time.monotonic() < deadline
+        async def settled() -> bool:
             assert await owner.keep([st]) == [0]                  # wa's keep-fresh round
             await intake.recheck_contested()                      # wb's claim loop
-            await asyncio.sleep(0.1)
+            return not intake.contested
+        assert await eventually(settled, timeout=10, interval=0.1)
         assert intake.stats.yielded == 1 and not intake.table.requests
         meta = await meta_of(redis_client, keys, rid)
         assert (meta["owner"], meta["epoch"]) == ("wa", "1")
@@ -177,11 +176,10 @@ async def test_a_contested_request_is_taken_once_its_owners_lease_lapses(redis_c
         await Ownership(redis_client, keys, short, "wa").take(rid)
         await intake.accept(entry_id, fields, deliveries=1)
         assert entry_id in intake.contested
-        deadline = time.monotonic() + 10
-        while intake.contested:
-            assert time.monotonic() < deadline
+        async def taken_over() -> bool:
             await intake.recheck_contested()
-            await asyncio.sleep(0.05)
+            return not intake.contested
+        assert await eventually(taken_over, timeout=10, interval=0.05)
         assert intake.stats.yielded == 0
         events = await read_events(redis_client, keys, rid, timeout=30)
         assert events[-1]["k"] == "done" and {e["ep"] for e in events} == {2}

@@ -10,16 +10,17 @@ import pytest
 
 from shared.backlog import live_workers, read_backlog
 from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_cancel
-from tests.stack_fixtures import _env, engine_pids, spawn, start_worker, wait_for_worker
+from tests.gateway_client import eventually
+from tests.stack_fixtures import engine_pids, metric, scrape, start_synthetic_worker, start_worker
 from tests.worker_redis import (check_seqs, new_rid, owner_of, pending_after_acks, read_events, submit, text_of,
                                 wait_for_tokens)
 
 
-def module_worker(redis_server, tiny_model_dir, tmp_path_factory, tag: str, env: dict):
+def module_worker(redis_server, tiny_model_dir, tmp_path_factory, tag: str, env: dict, metrics: bool = False):
     """A worker on its own stream prefix (the module's fixtures differ only in `env`)."""
     prefix = f"{tag}{int(time.time() * 1000) % 10**8}"
     proc = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path_factory.mktemp("wlogs"),
-                        name=f"w-{tag}", env={"WORKER_HEARTBEAT_S": 0.5, **env})
+                        name=f"w-{tag}", env={"WORKER_HEARTBEAT_S": 0.5, **env}, metrics=metrics)
     yield Keys(prefix), proc
     proc.stop()
 
@@ -27,7 +28,8 @@ def module_worker(redis_server, tiny_model_dir, tmp_path_factory, tag: str, env:
 @pytest.fixture(scope="module")
 def worker_env(redis_server, tiny_model_dir, tmp_path_factory):
     yield from module_worker(redis_server, tiny_model_dir, tmp_path_factory, "svc",
-                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200, "CLAIM_IDLE_MS": 1500})
+                             {"MAX_BATCH": 4, "MAX_SEQ_LEN": 1024, "MAX_PROMPT_TOKENS": 200, "CLAIM_IDLE_MS": 1500},
+                             metrics=True)
 
 
 async def test_streams_tokens_and_acks(worker_env, redis_client):
@@ -49,10 +51,32 @@ async def test_streams_tokens_and_acks(worker_env, redis_client):
 
 
 async def test_greedy_is_reproducible_and_batched(worker_env, redis_client):
-    keys, _ = worker_env
-    rids = [await submit(redis_client, keys, max_tokens=20, prompt="Same prompt") for _ in range(6)]
+    keys, proc = worker_env
+
+    async def batch_sizes() -> tuple[float, float, float]:
+        """Engine steps so far: all, those of at most 2 rows, those of at most MAX_BATCH (4) rows."""
+        found = await scrape(proc)
+        return tuple(metric(found, name, **labels) for name, labels in (
+            ("worker_batch_size_count", {}), ("worker_batch_size_bucket", {"le": "2.0"}),
+            ("worker_batch_size_bucket", {"le": "4.0"})))
+
+    before = await batch_sizes()
+    async with redis_client.pipeline(transaction=True) as pipe:     # one MULTI: the worker reads all six at once
+        rids = [await submit(pipe, keys, max_tokens=20, prompt="Same prompt") for _ in range(6)]
+        await pipe.execute()
     texts = [text_of(await read_events(redis_client, keys, rid)) for rid in rids]
     assert texts[0] and all(t == texts[0] for t in texts)
+    # batched: the engine ran steps of 3-4 rows (four requests decoding together; 20 tokens each),
+    # never more rows than MAX_BATCH (the metrics pump lags the steps by a fraction of a second)
+    steps = wide = capped = 0.0
+
+    async def batched() -> bool:
+        nonlocal steps, wide, capped
+        now = await batch_sizes()
+        steps, wide, capped = now[0] - before[0], (now[0] - now[1]) - (before[0] - before[1]), now[2] - before[2]
+        return wide >= 10
+    assert await eventually(batched, timeout=15, interval=0.2), (steps, wide)
+    assert capped == steps, (steps, capped)
 
 
 async def test_registry_and_queue_depth(worker_env, redis_client):
@@ -115,9 +139,9 @@ async def test_poison_entries_go_to_dead_letter(worker_env, redis_client):
     assert (await read_events(redis_client, keys, good))[-1]["k"] == "done"
     ev = (await read_events(redis_client, keys, bad_rid))[-1]
     assert ev["k"] == "err" and ev["code"] == "invalid_request" and ev["retryable"] is False
-    deadline = time.monotonic() + 10
-    while await redis_client.xlen(keys.dead) < 4 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    async def four_dead() -> bool:
+        return await redis_client.xlen(keys.dead) >= 4
+    await eventually(four_dead, timeout=10, interval=0.05)
     dead = await redis_client.xrange(keys.dead)
     assert len(dead) == 4
     reasons = [f[b"reason"].decode() for _, f in dead]
@@ -132,10 +156,9 @@ async def test_busy_worker_keeps_its_requests_from_being_claimed(redis_server, r
     synthetic engine (the real worker service, 5 ms a step) makes 1000 tokens last >= 5 s on any
     machine, so the check cannot pass vacuously on a fast CPU."""
     keys = Keys(stream_prefix)
-    proc = spawn("worker.synthetic", _env(redis_server.url, stream_prefix, {
-        "CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_ID": "w-busy"}), tmp_path, "w-busy")
+    proc = start_synthetic_worker(redis_server.url, stream_prefix, tmp_path, name="w-busy",
+                                  env={"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5})
     try:
-        wait_for_worker(redis_server.url, stream_prefix, proc)
         t0 = time.monotonic()
         rid = await submit(redis_client, keys, max_tokens=1000, prompt="A long one")
         await wait_for_tokens(redis_client, keys, rid, 2)
@@ -179,17 +202,18 @@ async def test_a_full_kv_pool_preempts_and_streams_stay_exact(worker_env, small_
     params = dict(max_tokens=120, prompt="Same prompt")
     reference = text_of(await read_events(redis_client, worker_env[0],
                                           await submit(redis_client, worker_env[0], **params)))
-    rids = [await submit(redis_client, keys, **params) for _ in range(4)]
+    async with redis_client.pipeline(transaction=True) as pipe:     # one MULTI: all four are read together
+        rids = [await submit(pipe, keys, **params) for _ in range(4)]
+        await pipe.execute()
     for rid in rids:
         events = await read_events(redis_client, keys, rid)
         check_seqs(events)
         assert events[-1]["k"] == "done" and events[-1]["seq"] == 120  # the tiny model does not stop early
         assert text_of(events) == reference
     assert await pending_after_acks(redis_client, keys) == 0
-    deadline = time.monotonic() + 5
-    while int(await redis_client.hget(keys.worker("w-kv"), "preemptions") or 0) == 0:
-        assert time.monotonic() < deadline, "no preemption was counted"
-        await asyncio.sleep(0.2)
+    async def preempted() -> bool:                   # the registry entry follows at the next heartbeat
+        return int(await redis_client.hget(keys.worker("w-kv"), "preemptions") or 0) > 0
+    assert await eventually(preempted, timeout=5, interval=0.2), "no preemption was counted"
 
 
 async def test_the_engine_in_a_thread_of_the_worker_serves_and_cancels(redis_server, redis_client, tiny_model_dir,

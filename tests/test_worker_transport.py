@@ -4,12 +4,12 @@ attach markers, epochs from meta, and the concurrency lease released with the ac
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
 from shared.streams import ENTRY_FIELD, Keys, decode_event_list, encode_attach
+from tests.gateway_client import eventually
 from tests.stack_fixtures import start_worker
 from tests.worker_redis import (check_seqs, client_view, last_seq, new_rid, owner_of, pending_after_acks, read_events, read_inbox,
                                 submit, text_of, wait_for_tokens)
@@ -121,11 +121,8 @@ async def test_attach_for_a_request_the_worker_does_not_hold(transport_env, redi
     gw = f"g-{new_rid()[:6]}"
     rid = new_rid()
     await redis_client.xadd(keys.ctl("w-tr"), {ENTRY_FIELD: encode_attach(rid, gw, 3)})
-    deadline = time.monotonic() + 10
-    entries = []
-    while not entries and time.monotonic() < deadline:
-        entries = await redis_client.xrange(keys.inbox(gw))
-        await asyncio.sleep(0.05)
+    assert await eventually(lambda: redis_client.xlen(keys.inbox(gw)), timeout=10, interval=0.05)
+    entries = await redis_client.xrange(keys.inbox(gw))
     events = decode_event_list(entries[0][1][ENTRY_FIELD])
     assert events == [{"v": 2, "k": "att", "rid": rid, "seq": None, "ep": 0, "att": 3}]
     assert proc.alive()

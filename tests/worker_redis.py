@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
 from gateway.stream_join import StreamJoin
 from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event, decode_event_list
+from tests.gateway_client import eventually
 
 
 def new_rid() -> str:
@@ -24,6 +24,17 @@ async def submit(redis, keys: Keys, rid: str | None = None, *, prompt: str = "Te
                          messages=messages, created_ms=int(time.time() * 1000), gw=gw, key_id=key_id)
     await redis.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
     return rid
+
+
+async def history(redis, keys: Keys, rid: str) -> list[dict]:
+    """rid's history as it is now (each event with its stream id under "_id"); `read_events`
+    waits for its final."""
+    events = []
+    for entry_id, fields in await redis.xrange(keys.out(rid)):
+        ev = decode_event(fields[ENTRY_FIELD])
+        ev["_id"] = entry_id.decode()
+        events.append(ev)
+    return events
 
 
 async def read_events(redis, keys: Keys, rid: str, *, after: str = "0-0", timeout: float = 60.0,
@@ -99,6 +110,12 @@ def client_view(live: list[dict], history: list[dict] | None = None, *, after: i
     return out
 
 
+async def silent_worker(redis, keys: Keys) -> None:
+    """A registered worker that never reads its queue: admission lets requests through, and the
+    test plays the worker (writes history and inbox entries itself) or lets them wait."""
+    await redis.zadd(keys.workers, {"silent": int(time.time() * 1000) + 600_000})
+
+
 async def last_seq(redis, keys: Keys, rid: str) -> int:
     last = await redis.xrevrange(keys.out(rid), count=1)
     return decode_event(last[0][1][ENTRY_FIELD])["seq"] if last else 0
@@ -106,12 +123,9 @@ async def last_seq(redis, keys: Keys, rid: str) -> int:
 
 async def wait_for_tokens(redis, keys: Keys, rid: str, n: int, timeout: float = 60.0) -> None:
     """Until the history holds at least `n` tokens of `rid`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await last_seq(redis, keys, rid) >= n:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{rid} did not reach {n} tokens")
+    async def reached() -> bool:
+        return await last_seq(redis, keys, rid) >= n
+    assert await eventually(reached, timeout=timeout, interval=0.01), f"{rid} did not reach {n} tokens"
 
 
 async def owner_of(redis, keys: Keys, rid: str) -> str | None:
@@ -138,12 +152,11 @@ async def pending_after_acks(redis, keys: Keys, timeout: float = 10.0) -> int:
     """Pending entries once the workers' acks have landed: a worker acks in the round trip
     AFTER the final event (different slots), so a reader that just saw a final may be early."""
     from shared.streams import CONSUMER_GROUP
-    deadline = time.monotonic() + timeout
-    while True:
-        pending = (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"]
-        if not pending or time.monotonic() > deadline:
-            return pending
-        await asyncio.sleep(0.05)
+
+    async def none_pending() -> bool:
+        return not (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"]
+    await eventually(none_pending, timeout=timeout, interval=0.05)
+    return (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"]
 
 
 async def worker_info(redis, keys: Keys, worker: str) -> dict[str, str]:
