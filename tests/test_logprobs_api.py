@@ -20,7 +20,7 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import parse_client_message, parse_server_message
 from tests.gateway_client import GatewayClient
 from tests.stack_fixtures import gateway_in_process, prefix_with_worker
-from tests.test_openai_api import sse_events
+from tests.test_openai_api import sse_dropped_after, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -194,16 +194,9 @@ async def test_a_resumed_sse_stream_gets_exactly_the_same_logprobs(redis_server,
             gateway_in_process(settings(redis_server, lp_stack)) as gw_b:
         args = dict(model=MODEL, messages=CHAT, max_tokens=200, temperature=0, logprobs=True, top_logprobs=2)
         reference = (await oai(gw_b).chat.completions.create(**args)).choices[0].logprobs.model_dump()["content"]
-        lines: list[str] = []
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", gw_a.base + "/v1/chat/completions",
-                                   json={**args, "stream": True, "resumable": True}) as resp:
-                assert resp.status_code == 200
-                async for line in resp.aiter_lines():
-                    lines.append(line)
-                    if line == "" and len([e for e in sse_events(lines) if e[0]]) >= 4:
-                        break                     # drop the connection mid-answer
-        first = sse_events(lines)
+        async with httpx.AsyncClient(timeout=60) as http:     # dropped mid-answer
+            first = await sse_dropped_after(http, gw_a.base + "/v1/chat/completions",
+                                            {**args, "stream": True, "resumable": True}, 5)
         oai_id, last_id = json.loads(first[0][1])["id"], first[-1][0]
         async with httpx.AsyncClient(timeout=60) as http:
             resp = await http.get(gw_b.base + f"/v1/streams/{oai_id}", headers={"Last-Event-ID": str(last_id)})
