@@ -1,10 +1,12 @@
-"""Helpers shared by the bench scripts: percentiles, a plain-text table, JSON results."""
+"""Helpers shared by the bench scripts: percentiles, a plain-text table, JSON results, client
+threads, llama.cpp's streaming API."""
 
 from __future__ import annotations
 
 import json
 import math
 import platform
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +47,26 @@ def write_json(name: str, data: dict) -> Path:
     payload = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), **data}
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def run_threads(target, items) -> None:
+    """`target(item)` on a thread of its own for each item (blocking clients, e.g. of llama.cpp's
+    server, all at once); when they have all ended, re-raise the first exception any of them hit."""
+    errors: list[Exception] = []
+
+    def guarded(item) -> None:
+        try:
+            target(item)
+        except Exception as exc:   # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(item,), daemon=True) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def llamacpp_events(url: str, body: dict):

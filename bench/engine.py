@@ -45,7 +45,6 @@ import math
 import os
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +56,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
-from bench.common import llamacpp_events, percentile, table, write_json  # noqa: E402
+from bench.common import llamacpp_events, percentile, run_threads, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
@@ -300,32 +299,22 @@ def prepare_llamacpp(model, tok, reqs, args):
         raise RuntimeError("--llamacpp-url is required for the llamacpp method")
     url = args.llamacpp_url
 
-    def one(r: Req, t0: float, errors: list):
+    def one(r: Req, t0: float):
         _wait_until(t0 + r.arrival)
-        try:
-            sampling = SAMPLING[args.sampling]
-            body = {"prompt": r.prompt, "n_predict": r.n, "ignore_eos": True, "stream": True, "cache_prompt": False,
-                    **({"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]} if sampling["temperature"] == 0 else
-                       {**sampling, "samplers": ["top_k", "top_p", "temperature"]})}
-            for event in llamacpp_events(url, body):
-                stamp = time.perf_counter()
-                n = len(event.get("tokens") or []) or (1 if event.get("content") or not event.get("stop") else 0)
-                r.times.extend([stamp] * n)
-            del r.times[r.n:]
-            if len(r.times) != r.n:
-                raise RuntimeError(f"request {r.idx}: {len(r.times)} tokens of {r.n}")
-        except Exception as exc:
-            errors.append(exc)
+        sampling = SAMPLING[args.sampling]
+        body = {"prompt": r.prompt, "n_predict": r.n, "ignore_eos": True, "stream": True, "cache_prompt": False,
+                **({"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]} if sampling["temperature"] == 0 else
+                   {**sampling, "samplers": ["top_k", "top_p", "temperature"]})}
+        for event in llamacpp_events(url, body):
+            stamp = time.perf_counter()
+            n = len(event.get("tokens") or []) or (1 if event.get("content") or not event.get("stop") else 0)
+            r.times.extend([stamp] * n)
+        del r.times[r.n:]
+        if len(r.times) != r.n:
+            raise RuntimeError(f"request {r.idx}: {len(r.times)} tokens of {r.n}")
 
     def run(t0):
-        errors: list = []
-        threads = [threading.Thread(target=one, args=(r, t0, errors), daemon=True) for r in reqs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_threads(lambda r: one(r, t0), reqs)
     return run, _no_cleanup
 
 

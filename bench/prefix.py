@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.common import llamacpp_events, percentile, table, write_json  # noqa: E402
+from bench.common import llamacpp_events, percentile, run_threads, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
@@ -224,36 +224,26 @@ def run_engine(model, tok, sessions: list[Session], max_tokens: int, ignore_eos:
 
 def run_llamacpp(url: str, sessions: list[Session], max_tokens: int, ignore_eos: bool) -> tuple[list[Turn], dict]:
     done: list[Turn] = []
-    errors: list[Exception] = []
     lock = threading.Lock()
 
     def client(session: Session) -> None:
-        try:
-            while (prompt := session.next_prompt()) is not None:
-                turn = Turn(session.idx, len(session.answers), prompt)
-                body = {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": ignore_eos, "stream": True,
-                        "cache_prompt": True, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}
-                turn.submit = time.perf_counter()
-                for event in llamacpp_events(url, body):
-                    if turn.first is None and (event.get("content") or event.get("tokens")):
-                        turn.first = time.perf_counter()
-                    turn.text += event.get("content", "")
-                    if event.get("stop"):
-                        turn.end = time.perf_counter()
-                        turn.computed = (event.get("timings") or {}).get("prompt_n")
-                with lock:
-                    done.append(turn)
-                session.answers.append(turn.text)
-        except Exception as exc:   # noqa: BLE001 - reported by the caller
-            errors.append(exc)
+        while (prompt := session.next_prompt()) is not None:
+            turn = Turn(session.idx, len(session.answers), prompt)
+            body = {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": ignore_eos, "stream": True,
+                    "cache_prompt": True, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}
+            turn.submit = time.perf_counter()
+            for event in llamacpp_events(url, body):
+                if turn.first is None and (event.get("content") or event.get("tokens")):
+                    turn.first = time.perf_counter()
+                turn.text += event.get("content", "")
+                if event.get("stop"):
+                    turn.end = time.perf_counter()
+                    turn.computed = (event.get("timings") or {}).get("prompt_n")
+            with lock:
+                done.append(turn)
+            session.answers.append(turn.text)
 
-    threads = [threading.Thread(target=client, args=(s,), daemon=True) for s in sessions]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_threads(client, sessions)
     return done, {}
 
 
