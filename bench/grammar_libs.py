@@ -4,7 +4,8 @@ For each schema: the compile time (cold: a fresh compiler, no cache) and, walkin
 document token by token as a model would produce it, the time to fill one row's token bitmask
 and to advance the matcher by the sampled token (the per-step host cost of one constrained row).
 The document is the same token ids for both libraries. Prints a table and, with --json, the
-figures. Usage: .venv/bin/python bench/grammar_libs.py [--json out.json]
+figures. Usage: .venv/bin/python bench/grammar_libs.py [--json out.json] (llguidance is the peer, not a
+dependency: `.venv/bin/python -m pip install llguidance` first)
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
 
 
+def walk_document(ids: list[int], fill, accept, why) -> dict:
+    """Per token of a valid document: `fill()` the row's bitmask, then `accept(token)` (False: the
+    grammar refused it, `why(token)` says what). Medians (and the fill's p99) in microseconds."""
+    fills, steps = [], []
+    for t in ids:
+        a = time.perf_counter()
+        fill()
+        b = time.perf_counter()
+        ok = accept(t)
+        c = time.perf_counter()
+        assert ok, why(t)
+        fills.append(b - a)
+        steps.append(c - a)
+    return {"fill_us": statistics.median(fills) * 1e6, "fill_p99_us": sorted(fills)[int(0.99 * (len(fills) - 1))] * 1e6,
+            "step_us": statistics.median(steps) * 1e6, "tokens": len(ids)}
+
+
 def bench_llguidance(tok, vocab: int, docs: dict) -> dict:
     import llguidance
     import llguidance.hf
@@ -60,19 +78,9 @@ def bench_llguidance(tok, vocab: int, docs: dict) -> dict:
         compile_s = time.perf_counter() - t0
         assert not matcher.is_error(), matcher.get_error()
         mask = allocate_token_bitmask(1, vocab)
-        fills, steps = [], []
-        for t in ids:
-            a = time.perf_counter()
-            fill_next_token_bitmask(matcher, mask, 0)
-            b = time.perf_counter()
-            ok = matcher.consume_token(t)
-            c = time.perf_counter()
-            assert ok, (name, tok.decode([t]), matcher.get_error())
-            fills.append(b - a)
-            steps.append(c - a)
-        out[name] = {"compile_ms": compile_s * 1e3, "fill_us": statistics.median(fills) * 1e6,
-                     "fill_p99_us": sorted(fills)[int(0.99 * (len(fills) - 1))] * 1e6,
-                     "step_us": statistics.median(steps) * 1e6, "tokens": len(ids)}
+        out[name] = {"compile_ms": compile_s * 1e3, **walk_document(
+            ids, lambda: fill_next_token_bitmask(matcher, mask, 0), matcher.consume_token,
+            lambda t: (name, tok.decode([t]), matcher.get_error()))}
     return out
 
 
@@ -93,19 +101,9 @@ def bench_xgrammar(tok, vocab: int, docs: dict) -> dict:
         matcher = xgr.GrammarMatcher(compiled)
         compile_s = time.perf_counter() - t0
         mask = xgr.allocate_token_bitmask(1, vocab)
-        fills, steps = [], []
-        for t in ids:
-            a = time.perf_counter()
-            matcher.fill_next_token_bitmask(mask, 0)
-            b = time.perf_counter()
-            ok = matcher.accept_token(t)
-            c = time.perf_counter()
-            assert ok, (name, tok.decode([t]))
-            fills.append(b - a)
-            steps.append(c - a)
-        out[name] = {"compile_ms": compile_s * 1e3, "fill_us": statistics.median(fills) * 1e6,
-                     "fill_p99_us": sorted(fills)[int(0.99 * (len(fills) - 1))] * 1e6,
-                     "step_us": statistics.median(steps) * 1e6, "tokens": len(ids)}
+        out[name] = {"compile_ms": compile_s * 1e3, **walk_document(
+            ids, lambda: matcher.fill_next_token_bitmask(mask, 0), matcher.accept_token,
+            lambda t: (name, tok.decode([t])))}
     return out
 
 
