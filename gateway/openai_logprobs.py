@@ -9,9 +9,9 @@ the values mean (the raw model's log-softmax, as vLLM returns by default) is the
 
 from __future__ import annotations
 
-from shared.protocol import TokenLogprob
+from shared.protocol import MAX_TOP_LOGPROBS, TokenLogprob
 
-CHAT_TOP_MAX = 20          # chat `top_logprobs`
+CHAT_TOP_MAX = MAX_TOP_LOGPROBS   # chat `top_logprobs`
 COMPLETIONS_TOP_MAX = 5    # completions `logprobs`
 
 

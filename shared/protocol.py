@@ -21,6 +21,7 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.structured import ResponseFormat, Tool, ToolCall, ToolChoice, check_tools, tool_mode
 
 PROTOCOL_VERSION = 1
+MAX_TOP_LOGPROBS = 20     # alternatives per token a request may ask for (OpenAI's chat bound)
 JSON_SUBPROTOCOL = "llm-stream.json"
 MSGPACK_SUBPROTOCOL = "llm-stream.msgpack"
 SUBPROTOCOLS = (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL)
@@ -99,7 +100,7 @@ class Generate(_ClientMsg):
     tool_choice: ToolChoice | None = None
     # per output token its logprob, and this many most likely alternatives (OpenAI's chat fields)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     _id = field_validator("id")(_check_id)
 

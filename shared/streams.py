@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from shared.protocol import PROTOCOL_VERSION
+from shared.protocol import MAX_TOP_LOGPROBS, PROTOCOL_VERSION
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
@@ -190,7 +190,7 @@ class RequestEntry:
             raise ValueError("bad stop")
         if p.grammar is not None and not isinstance(p.grammar, dict):
             raise ValueError("bad grammar")
-        if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= 20):
+        if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError("bad logprobs")
         return entry
 

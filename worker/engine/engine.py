@@ -29,13 +29,14 @@ import time
 import torch
 
 from shared.errors import ErrorCode
+from shared.protocol import MAX_TOP_LOGPROBS
 from worker.engine import attention
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.grammar import GrammarError, Grammars
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
-from worker.engine.logprobs import MAX_TOP_LOGPROBS, TokenText, entry as logprob_entry
+from worker.engine.logprobs import TokenText, entry as logprob_entry
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner

@@ -34,7 +34,6 @@ import torch
 
 from worker.engine.host_lists import long_tensor
 
-MAX_TOP_LOGPROBS = 20     # OpenAI's bound on top_logprobs (chat); completions' `logprobs` is at most 5
 FLOOR = -9999.0           # a logprob of -inf is sent as this (JSON has no -inf; vLLM does the same)
 
 
