@@ -86,10 +86,8 @@ def tool_fields(message: dict, role: str, calls: list | None, i: int, error: Cal
 
 def parser_for(body) -> ToolCallParser | None:
     """A parser for the answer, when the request has tools to call."""
-    tools, choice = getattr(body, "tools", None), getattr(body, "tool_choice", None)
-    if not tools or choice == "none":
-        return None
-    return ToolCallParser("auto" if choice in (None, "auto") else "forced")
+    mode = tool_mode(getattr(body, "tools", None), getattr(body, "tool_choice", None))
+    return ToolCallParser(mode) if mode is not None else None
 
 
 def delta(content: str, calls: list[dict]) -> dict:
