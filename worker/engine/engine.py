@@ -204,6 +204,8 @@ class Engine:
                        tokens=context, cache_root=prefix_root(self._cache_root, req.cache_salt)
                        if req.cache_salt else self._cache_root, grammar=matcher)
         self._arrivals += 1
+        if matcher is not None:
+            self.grammars.constrained += 1
         if seq.top_logprobs >= 0:
             self.runner.logprobs.asking += 1
             seq.text_offset = self._token_text.length(req.generated_ids)
@@ -336,6 +338,8 @@ class Engine:
     def _forget(self, seq: Sequence) -> None:
         """The request leaves the engine: its KV blocks are free (exactly once)."""
         seq.finished = True
+        if seq.grammar is not None:
+            self.grammars.constrained -= 1
         if seq.top_logprobs >= 0:
             self.runner.logprobs.asking -= 1
         self.scheduler.remove(seq)

@@ -4,7 +4,8 @@ A request whose `SamplingParams.grammar` is set gets a matcher (xgrammar's `Gram
 when it joins the engine. Before each of its sampled tokens the matcher fills the row's token
 bitmask on the host (one bit per vocabulary token: may it come next?), the masks of the step's
 constrained rows go to the device in one copy, and the disallowed logits of those rows only are
-set to -inf before sampling (`apply_masks`); unconstrained rows pay nothing but one list scan.
+set to -inf before sampling (`apply_masks`). The engine counts the requests it holds that are
+constrained (`Grammars.constrained`); while none is, a step does nothing here (one integer test).
 The matcher advances with each sampled token (`accept`); when the grammar is complete the
 request finishes with `stop`, without waiting for an EOS token.
 
@@ -75,6 +76,7 @@ class Grammars:
         self._vocab = vocab            # the logits' width (may exceed the tokenizer's vocabulary)
         self._eos_ids = eos_ids
         self._device = device
+        self.constrained = 0           # requests held by the engine that have a grammar (kept by the engine)
         self._compiler = None
         self._clean: torch.Tensor | None = None   # bitmask words: every token but those with control bytes
         words = (vocab + 31) // 32
@@ -130,8 +132,10 @@ class Grammars:
 
     def apply_masks(self, logits: torch.Tensor, sampled: list) -> None:
         """Set the logits of tokens each constrained row's grammar forbids to -inf (`logits`
-        [R, V] holds the rows of `sampled`, the step's `Sequence`s, in order). A step without constrained rows returns
-        after one scan of the list."""
+        [R, V] holds the rows of `sampled`, the step's `Sequence`s, in order). While the engine
+        holds no constrained request this returns at once; otherwise after one scan of the list."""
+        if not self.constrained:
+            return
         rows = [i for i, seq in enumerate(sampled) if seq.grammar is not None]
         if not rows:
             return
