@@ -20,7 +20,8 @@ from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
 from worker.engine import quantize
 from worker.engine.config import settings_dtype, settings_quantization
-from worker.engine.quantize import GROUP, Int4Linear, gguf_is_int4_exact, int4_linear, native_bf16_cpu, quantize_int4
+from worker.engine.quantize import (GROUP, Int4Linear, Int8SplitLinear, gguf_is_int4_exact, int4_linear,
+                                    native_bf16_cpu, quantize_int4)
 from worker.model_files import SMOLLM2_GGUF, smollm2_dir
 
 # head_dim 32 and 2 KV heads: k/v projections of 64 rows, one block of the kernel's packing
@@ -108,6 +109,52 @@ def test_quantizing_changes_the_models_tokens():
     before = reference(model, PROMPTS[0], 16)
     quantize_int4(model, torch.float32)
     assert reference(model, PROMPTS[0], 16) != before
+
+
+def q8_0_weight(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """A weight in llama.cpp's Q8_0 form, w = d * s per group of 32, s in -127..127 with one
+    |s| = 127 in every group (as its quantizer leaves it), d exact in bf16."""
+    groups = in_features // GROUP
+    s = torch.randint(-127, 128, (out_features, groups, GROUP), generator=generator).float()
+    s[..., 3] = torch.where(torch.rand(out_features, groups, generator=generator) < 0.5, -127.0, 127.0)
+    d = 2.0 ** torch.randint(-12, -6, (out_features, groups, 1), generator=generator).float()
+    return (d * s).view(out_features, in_features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_q8_0_head_keeps_the_files_8_bit_values(dtype):
+    """The two 4-bit planes multiply by exactly d * s, in any batch, at 4 bits a plane."""
+    generator = torch.Generator().manual_seed(3)
+    weight = q8_0_weight(128, 96, generator)
+    head = Int8SplitLinear.from_q8_0(weight, dtype)
+    assert head is not None and head.packed.numel() == 128 * 96   # two planes of 4 bits: a byte a weight
+    eye = torch.eye(96, dtype=dtype)
+    assert torch.equal(head(eye).t().float(), weight)
+    x = torch.randn(9, 96, generator=generator).to(dtype)
+    assert torch.allclose(head(x).float(), x.float() @ weight.t(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(head(x[:1]), head(x)[:1])
+    assert torch.equal(head(x[None]), head(x)[None])            # [batch, seq, in] as generate calls it
+
+
+def test_a_head_that_is_not_q8_0_is_not_made_8_bit():
+    generator = torch.Generator().manual_seed(4)
+    assert Int8SplitLinear.from_q8_0(torch.randn(128, 96, generator=generator)) is None
+    almost = q8_0_weight(128, 96, generator)
+    almost[5, 7] += 1e-7                                          # one value off the grid
+    assert Int8SplitLinear.from_q8_0(almost) is None
+
+
+def test_a_q8_0_head_runs_8_bit_and_the_engine_equals_generate():
+    """SmolLM2's case: a tied Q8_0 embedding as the LM head. The head becomes 8-bit, the
+    embedding lookup keeps a dense table, and the engine gives generate's tokens."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(SHAPE, tie_word_embeddings=True))).eval()
+    generator = torch.Generator().manual_seed(5)
+    model.model.embed_tokens.weight.data = q8_0_weight(*model.model.embed_tokens.weight.shape, generator)
+    quantize_int4(model, torch.float32)
+    assert type(model.lm_head) is Int8SplitLinear
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert_engine_equals_generate(model, 16, "llama-q8-head")
 
 
 def test_a_shape_the_kernel_cannot_pack_is_refused_and_nothing_changes():

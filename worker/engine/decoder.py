@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from worker.engine import attention
 from worker.engine.model_support import SUPPORTED_FAMILIES, UnsupportedModel
-from worker.engine.quantize import Int4Linear, int4_linear
+from worker.engine.quantize import Int4Linear, Int8SplitLinear, int4_linear
 
 
 _LINEAR_ROW_AXES = (("weight", 0), ("bias", 0))
@@ -79,6 +79,10 @@ def projection(linears: list[torch.nn.Module]):
     `Int4Linear` (quantize.py)."""
     if len({type(lin) for lin in linears}) > 1:
         raise ValueError("projections of different kinds cannot be fused")
+    if isinstance(linears[0], Int8SplitLinear):   # the 8-bit LM head: never fused, one module call
+        if len(linears) > 1:
+            raise ValueError("8-bit heads are not fused")
+        return linears[0]
     tensors = _fuse(linears)
     if isinstance(linears[0], Int4Linear):
         packed, scales_zeros, bias = tensors

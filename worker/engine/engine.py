@@ -93,7 +93,7 @@ class Engine:
                                   dtype=config.dtype, cuda_graphs=config.cuda_graphs)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self._logits_width = model.get_output_embeddings().weight.shape[0]   # a seeded token's noise
+        self._logits_width = model.get_output_embeddings().out_features   # a seeded token's noise
         self.runner.grammars = self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.runner.eos_ids,
                                                         config.max_batch, self.device)
         self._by_rid: dict[str, Sequence] = {}
