@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+from importlib import metadata
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -28,6 +29,10 @@ from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, error_message
 STATIC_DIR = Path(__file__).parent / "static"
 # The JS client SDK lives where its users look for it (clients/js); the page imports it from here.
 CLIENTS_JS_DIR = Path(__file__).resolve().parent.parent / "clients" / "js"
+try:
+    VERSION = metadata.version("llm-stream")
+except metadata.PackageNotFoundError:   # run from a checkout that was never installed
+    VERSION = "0+unknown"
 
 
 async def stream(ws: WebSocket) -> None:
@@ -75,6 +80,21 @@ async def readyz(request: Request) -> Response:
     return JSONResponse({"ready": ok, "draining": hub.draining}, status_code=200 if ok else 503)
 
 
+async def health(request: Request) -> Response:
+    """`GET /health` (and `/v1/health`) as vLLM, TGI and llama.cpp serve it, which benchmark
+    and load-balancer clients (guidellm among them) check before they send anything: 200 when
+    this gateway can serve (it is /readyz under the name those clients know), else 503."""
+    hub: Hub = request.app.state.hub
+    ok = await hub.ready()
+    return JSONResponse({"status": "ok" if ok else ("draining" if hub.draining else "unavailable")},
+                        status_code=200 if ok else 503)
+
+
+async def version(request: Request) -> Response:
+    """`GET /version` in vLLM's shape."""
+    return JSONResponse({"version": VERSION})
+
+
 async def metrics(request: Request) -> Response:
     hub: Hub = request.app.state.hub
     if not admin_allowed(request, hub.settings.admin_token.get_secret_value()):
@@ -114,6 +134,9 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
             *openai_api.ROUTES,
             Route("/healthz", healthz),
             Route("/readyz", readyz),
+            Route("/health", health),
+            Route("/v1/health", health),
+            Route("/version", version),
             Route("/metrics", metrics),
             Route("/", index),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),

@@ -31,7 +31,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from redis.exceptions import RedisError
@@ -157,6 +157,7 @@ class _Body(BaseModel):
     # extensions (documented in docs/clients.md)
     priority: Literal["interactive", "batch"] | None = None
     resumable: bool = False
+    ignore_eos: bool | None = None        # vLLM's: run to max_tokens (benchmarks such as guidellm send it)
 
 
 class ChatBody(_Body):
@@ -208,7 +209,9 @@ _COMPLETION_NEUTRAL: dict[str, Any] = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,                                  # null or ""
 }
-STREAM_OPTIONS = {"include_usage", "include_obfuscation"}   # the latter ignored: no obfuscation padding here
+# include_obfuscation is ignored (no obfuscation padding here); continuous_usage_stats is vLLM's:
+# with include_usage, every chunk carries the usage so far
+STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
 
 
 def _check_neutral(body: _Body, neutral: dict[str, Any]) -> None:
@@ -309,7 +312,8 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
                         ("seed", body.seed), ("stop", stop), ("priority", body.priority),
-                        ("prompt_cache_key", body.prompt_cache_key)):   # routes it to the worker holding its cache
+                        ("prompt_cache_key", body.prompt_cache_key),   # routes it to the worker holding its cache
+                        ("ignore_eos", body.ignore_eos or None)):
         if value is not None:
             fields[name] = value
     return body, fields
@@ -374,8 +378,12 @@ class OpenAIResponse:
     HOLD_HEADERS = True      # False: the 200 goes out at the request's acceptance (a test compares the two)
 
     def __init__(self, send: Send, *, oai_id: str, model: str, stream: bool, include_usage: bool,
-                 role_chunk: bool, headers: list[tuple[bytes, bytes]] | None = None, tools=None):
+                 role_chunk: bool, headers: list[tuple[bytes, bytes]] | None = None, tools=None,
+                 prompt_tokens: Callable[[], int] | None = None):
         self._send = send
+        # continuous usage (vLLM's stream_options.continuous_usage_stats): every chunk carries the
+        # usage so far; the prompt's size is what the worker's token events said
+        self.prompt_tokens = prompt_tokens
         self.tools = tools                   # a gateway.tool_calls parser when the request has tools
         self.oai_id = oai_id
         self.chat = oai_id.startswith(CHAT_PREFIX)
@@ -419,10 +427,12 @@ class OpenAIResponse:
         self.last_send = time.monotonic()
         if isinstance(msg, Chunk):
             if self.stream and self.tools is not None:    # text and tool call deltas
-                await self._event(self._chunk(None, None, delta=structured.delta(*self.tools.feed(msg.text)),
-                                              logprobs=msg.logprobs), msg.seq, commit=True)
+                await self._event(self._usage_so_far(self._chunk(
+                    None, None, delta=structured.delta(*self.tools.feed(msg.text)), logprobs=msg.logprobs), msg.seq),
+                    msg.seq, commit=True)
             elif self.stream:
-                await self._event(self._chunk(msg.text, None, logprobs=msg.logprobs), msg.seq, commit=True)
+                await self._event(self._usage_so_far(self._chunk(msg.text, None, logprobs=msg.logprobs), msg.seq),
+                                  msg.seq, commit=True)
             else:
                 self.parts.append(msg.text)
                 if msg.logprobs is not None:
@@ -469,6 +479,13 @@ class OpenAIResponse:
             obj = "text_completion"
         return {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
+    def _usage_so_far(self, chunk: dict, completion_tokens: int) -> dict:
+        if self.prompt_tokens is not None:
+            prompt = self.prompt_tokens()
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt + completion_tokens}
+        return chunk
+
     async def _finish_stream(self, done: Done) -> None:
         error = done_error(done)
         if error is not None:
@@ -478,8 +495,10 @@ class OpenAIResponse:
                 rest = structured.delta(*self.tools.finish())
                 if rest:
                     await self._event(self._chunk(None, None, delta=rest), done.seq, commit=True)
-            await self._event(self._chunk(None, structured.finish_reason(self.tools, done.finish_reason)), done.seq,
-                              commit=True)
+            last = self._chunk(None, structured.finish_reason(self.tools, done.finish_reason))
+            if self.prompt_tokens is not None:
+                last["usage"] = usage_of(done)
+            await self._event(last, done.seq, commit=True)
             if self.include_usage:
                 usage = usage_of(done)
                 await self._event({**self._chunk(None, None), "choices": [], "usage": usage}, done.seq)
@@ -568,9 +587,10 @@ class RunRequest(Response):
     """Drives one accepted request to its end over HTTP, with the WebSocket path's Sender."""
 
     def __init__(self, hub: Hub, requests: RequestTable, wake: WakeEvent, req: RequestState, *, model: str,
-                 stream: bool, include_usage: bool, resumable: bool, tools=None):
+                 stream: bool, include_usage: bool, resumable: bool, tools=None, continuous_usage: bool = False):
         self.hub, self.requests, self.wake, self.req = hub, requests, wake, req
         self.tools = tools
+        self.continuous_usage = continuous_usage and include_usage and stream
         self.model, self.stream, self.include_usage, self.resumable = model, stream, include_usage, resumable
         self.background = None
 
@@ -578,7 +598,8 @@ class RunRequest(Response):
         hub, req = self.hub, self.req
         request_id = req.rid.encode()
         out = OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
-                             include_usage=self.include_usage, role_chunk=req.seq == 0, tools=self.tools, headers=[
+                             include_usage=self.include_usage, role_chunk=req.seq == 0, tools=self.tools,
+                             prompt_tokens=(lambda: req.prompt_tokens) if self.continuous_usage else None, headers=[
                                  (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                                  (b"x-accel-buffering", b"no"), (b"x-request-id", request_id)])
         sender = Sender(out, self.requests, self.wake, hub.settings, hub.metrics)
@@ -691,9 +712,11 @@ async def _generate(request: Request, chat: bool) -> Response:
             raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
     except APIError as exc:
         return exc.response()
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return RunRequest(hub, requests, wake, req, model=model, stream=body.stream, include_usage=include_usage,
-                      resumable=body.resumable, tools=structured.parser_for(body))
+    stream_options = body.stream_options or {}
+    return RunRequest(hub, requests, wake, req, model=model, stream=body.stream,
+                      include_usage=bool(stream_options.get("include_usage")), resumable=body.resumable,
+                      tools=structured.parser_for(body),
+                      continuous_usage=bool(stream_options.get("continuous_usage_stats")))
 
 
 async def chat_completions(request: Request) -> Response:

@@ -18,7 +18,7 @@ from gateway.stream_join import StreamJoin
 class RequestState:
     __slots__ = ("client_id", "rid", "key_id", "buffer", "sub", "join", "seq", "accepted", "started",
                  "first_sent", "last_sent", "att", "cancel_requested", "cancel_timer", "resumed", "slot_held",
-                 "finished", "attach_timer", "progress_at", "stale_seen", "meaningful_sent")
+                 "finished", "attach_timer", "progress_at", "stale_seen", "meaningful_sent", "prompt_tokens")
 
     def __init__(self, client_id: str, rid: str, key_id: str, buffer: ChunkBuffer, *, skip_seq: int = 0,
                  resumed: bool = False):
@@ -44,6 +44,7 @@ class RequestState:
         self.progress_at = self.started  # last event of any kind for this request (stall watchdog)
         self.stale_seen = 0          # stale-writer events the join dropped, already counted in metrics
         self.meaningful_sent = False  # a chunk with non-whitespace text went out
+        self.prompt_tokens = 0       # the prompt's size in tokens, as the worker's token events say
 
     @property
     def final(self) -> dict | None:

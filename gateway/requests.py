@@ -203,6 +203,8 @@ class RequestTable:
         was_empty = req.buffer.empty
         for ev in events:
             if ev.get("k") == "tok":
+                if ev.get("pt"):
+                    req.prompt_tokens = int(ev["pt"])
                 req.buffer.add(ev.get("text") or "", int(ev.get("n") or 0), int(ev["seq"]), now, ev.get("lp"))
         if was_empty or req.final is not None or req.buffer.due(now):
             self._wake.set()

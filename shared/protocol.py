@@ -101,6 +101,8 @@ class Generate(_ClientMsg):
     # per output token its logprob, and this many most likely alternatives (OpenAI's chat fields)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # never end at an EOS token: run to max_tokens (vLLM's extension; benchmarks force lengths)
+    ignore_eos: bool = False
 
     _id = field_validator("id")(_check_id)
 

@@ -122,6 +122,9 @@ class SamplingParams:
     grammar: dict | None = None
     # per output token its logprob and this many most likely alternatives (0-20); None: none
     logprobs: int | None = None
+    # EOS ids are never sampled: the answer runs to max_tokens (vLLM's extension; benchmarks
+    # such as guidellm force output lengths with it)
+    ignore_eos: bool = False
 
     @property
     def deterministic(self) -> bool:
@@ -154,6 +157,8 @@ class RequestEntry:
             del fields["params"]["grammar"]   # a worker older than structured output can read it
         if fields["params"]["logprobs"] is None:
             del fields["params"]["logprobs"]    # what workers older than logprobs can read
+        if not fields["params"]["ignore_eos"]:
+            del fields["params"]["ignore_eos"]  # what workers older than ignore_eos can read
         return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
@@ -192,6 +197,8 @@ class RequestEntry:
             raise ValueError("bad grammar")
         if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError("bad logprobs")
+        if type(p.ignore_eos) is not bool:
+            raise ValueError("bad ignore_eos")
         return entry
 
 
@@ -218,9 +225,13 @@ def _pack(obj: dict) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int, lp: list | None = None) -> bytes:
+def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int, lp: list | None = None,
+               pt: int = 0) -> bytes:
+    """`pt`: the prompt's size in tokens (what a stream's running usage reports before `done`)."""
     event = {"v": EVENT_VERSION, "k": "tok", "rid": rid, "seq": seq, "n": len(ids), "ids": ids,
              "text": text, "ep": ep, "ms": ms}
+    if pt:
+        event["pt"] = pt
     if lp is not None:
         event["lp"] = lp
     return _pack(event)

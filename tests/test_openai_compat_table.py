@@ -249,6 +249,36 @@ async def p_include_usage(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
+async def p_continuous_usage(ctx: Ctx, _=None) -> str:
+    """vLLM's: with include_usage, every chunk carries the usage so far (guidellm counts by it)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [c async for c in await ctx.chat(stream=True, stream_options=options)]
+    last = chunks[-1].usage
+    assert all(c.usage is not None for c in chunks if c.choices and c.choices[0].delta.content), chunks
+    assert {c.usage.prompt_tokens for c in chunks if c.usage} == {last.prompt_tokens}
+    assert max(c.usage.completion_tokens for c in chunks if c.usage) == last.completion_tokens
+    return "yes"
+
+
+async def p_ignore_eos(ctx: Ctx, _=None) -> str:
+    """vLLM's: the answer runs to max_tokens (the engine never samples EOS)."""
+    r = await ctx.completion(max_tokens=9, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 9 and r.choices[0].finish_reason == "length"
+    return "yes"
+
+
+async def p_health(ctx: Ctx, _=None) -> str:
+    for path in ("/health", "/v1/health"):
+        r = await ctx.http.get(path)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, (path, r.text)
+    return "yes"
+
+
+async def p_version(ctx: Ctx, _=None) -> str:
+    assert isinstance((await ctx.http.get("/version")).json()["version"], str)
+    return "yes"
+
+
 async def p_obfuscation(ctx: Ctx, _=None) -> str:
     try:
         stream = await ctx.chat(stream=True, stream_options={"include_obfuscation": True})
@@ -489,6 +519,11 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "stream": p_stream,
     "stream_options.include_usage": p_include_usage,
     "stream_options.include_obfuscation": p_obfuscation,
+    "stream_options.continuous_usage_stats": p_continuous_usage,
+    "ignore_eos": p_ignore_eos,
+    "GET /health": p_health,
+    "GET /v1/health": p_health,
+    "GET /version": p_version,
     "max_tokens": p_max_tokens,
     "max_completion_tokens": p_max_completion_tokens,
     "temperature": p_temperature,

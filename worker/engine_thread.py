@@ -191,7 +191,8 @@ class EngineThread:
                                  f"prompt is {len(ids)} tokens, the limit is {self.max_prompt_tokens}", len(ids))]
         try:
             self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,
-                                          priority=entry.priority, generated_ids=list(command.generated_ids)))
+                                          priority=entry.priority, generated_ids=list(command.generated_ids),
+                                          ignore_eos=entry.params.ignore_eos))
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids))]
         except Exception as exc:  # a bug or odd input must fail this request only

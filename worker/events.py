@@ -71,6 +71,7 @@ class InFlight:
     admitted_ms: int = 0                 # first scheduled in the engine (from the final output)
     final_ms: int = 0                    # the engine's final output
     completion_tokens: int = 0
+    prompt_tokens: int = 0               # the prompt's size in tokens (on every token event: running usage)
     finish_reason: str = ""
     unsent: list[Frozen] = field(default_factory=list)
     marker_att: int | None = None        # an attach marker to send ahead of live events
@@ -99,6 +100,7 @@ class InFlight:
                 self.first_token_ms = out.emitted_ms
             if not self.meaningful_ms and out.text and not out.text.isspace():
                 self.meaningful_ms = out.emitted_ms
+            self.prompt_tokens = out.prompt_tokens
             self.pending_ids.extend(out.token_ids)
             self.pending_text += out.text
             if out.logprobs is not None:
@@ -140,7 +142,7 @@ class InFlight:
         self.seq += n
         self.unsent.append(Frozen(history_id(self.seq, False),
                                   encode_tok(self.rid, self.seq, self.pending_ids, self.pending_text, self.epoch,
-                                             self.pending_ms, self.pending_lps), self.seq, False))
+                                             self.pending_ms, self.pending_lps, self.prompt_tokens), self.seq, False))
         self.pending_ids, self.pending_text, self.pending_lps = [], "", None
 
     def _freeze_final(self, payload: bytes) -> None:
