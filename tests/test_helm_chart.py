@@ -220,7 +220,9 @@ def test_keda_scales_workers_on_the_request_groups_pending_entries_and_lag():
             deploy = one(docs, "Deployment", target.removeprefix(f"{RELEASE}-llm-stream"))
             assert "replicas" not in deploy["spec"], "KEDA's HPA owns the worker count"
             assert scaled["spec"]["minReplicaCount"] == values["keda"].get("minReplicaCount", 1)
-            triggers = scaled["spec"]["triggers"]
+            wake = [t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+            assert len(wake) == (scaled["spec"]["minReplicaCount"] == 0)
+            triggers = [t for t in scaled["spec"]["triggers"] if t["type"] != "prometheus"]
             assert {t["type"] for t in triggers} == {"redis-cluster-streams" if values.get("redis", {})
                                                      .get("external", {}).get("cluster") else "redis-streams"}
             for t in triggers:
@@ -239,6 +241,28 @@ def test_keda_scales_workers_on_the_request_groups_pending_entries_and_lag():
     assert address == f"{redis_svc['metadata']['name']}:{redis_svc['spec']['ports'][0]['port']}"
     auth = one(manifests(GPU_VALUES), "TriggerAuthentication")
     assert auth["spec"]["secretTargetRef"] == [{"parameter": "password", "name": "llm-redis", "key": "password"}]
+
+
+async def test_scale_from_zero_wakes_a_worker_on_the_gateways_refusals(redis_client, stream_prefix):
+    """With no worker alive a gateway refuses (overloaded) rather than queue, so the stream stays
+    empty and its triggers never fire: minReplicaCount 0 needs the refusals as a trigger."""
+    from gateway.admission import Admission
+    from shared.errors import ErrorCode, ProtocolError
+    admission = Admission(redis_client, Keys(stream_prefix), max_depth=100, worker_ttl_s=2.0, cache_ms=0)
+    with pytest.raises(ProtocolError) as refused:
+        await admission.admit()
+    assert refused.value.code == ErrorCode.OVERLOADED
+    assert await redis_client.xlen(Keys(stream_prefix).requests) == 0, "nothing queued for the lag to count"
+    proc = helm("template", RELEASE, str(CHART), "--set", "keda.enabled=true", "--set", "keda.minReplicaCount=0")
+    assert proc.returncode != 0 and "keda.scaleFromZero.prometheusAddress" in proc.stderr
+    docs = manifests("cluster-quickstart-values.yaml")
+    for scaled in (d for d in docs if d["kind"] == "ScaledObject"):
+        wake = next(t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus")["metadata"]
+        assert wake["query"] == ('sum(rate(gateway_rejections_total{namespace="llm",job="gateway",'
+                                 'code="overloaded"}[1m]))')
+        assert wake["activationThreshold"] == "0"
+    rejections = [m for m in re.findall(r'Counter\("(\w+)"', (ROOT / "gateway/metrics.py").read_text())]
+    assert "gateway_rejections" in rejections
 
 
 def test_keda_needs_an_address_with_an_external_redis():
