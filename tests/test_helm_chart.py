@@ -373,3 +373,12 @@ def test_service_monitor_names_the_jobs_the_alerts_use():
     ports = {p["name"] for s in services for p in s["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
     assert all(e["authorization"]["credentials"]["key"] == "ADMIN_TOKEN" for e in monitor["spec"]["endpoints"])
+
+
+def test_the_kubernetes_doc_covers_every_top_level_value():
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = [k for k in values if k not in ("nameOverride", "fullnameOverride", "image", "imagePullSecrets",
+                                              "serviceAccount") and f"`{k}" not in doc]
+    assert not missing, f"docs/kubernetes.md does not say what these values do: {missing}"
+    assert "(docs/kubernetes.md)" in (ROOT / "README.md").read_text()
