@@ -73,7 +73,8 @@ def crd_validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
 
 
 def kube_versions() -> list[str]:
-    """The oldest Kubernetes the chart admits and the newest the schema package knows."""
+    """The oldest Kubernetes the chart admits and the newest the schema package knows (each
+    rendering is made for the version it is validated against: `--kube-version`)."""
     oldest = re.search(r"(\d+\.\d+)", yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]).group(1)
     return [oldest + ".0", latest_version()]
 
@@ -81,7 +82,11 @@ def kube_versions() -> list[str]:
 @pytest.mark.parametrize("values_file", VALUES_FILES)
 def test_every_rendered_manifest_validates_against_its_schema(values_file):
     crds = crd_validators()
-    docs = manifests(values_file)
+    for version in kube_versions():
+        validate_all(manifests(values_file, "--kube-version", version), version, crds)
+
+
+def validate_all(docs: list[dict], version: str, crds: dict) -> None:
     assert docs
     for doc in docs:
         name = f"{doc['kind']} {doc['metadata']['name']}"
@@ -92,11 +97,10 @@ def test_every_rendered_manifest_validates_against_its_schema(values_file):
             continue
         assert "." not in doc["apiVersion"].split("/")[0] or doc["apiVersion"].split("/")[0].endswith("k8s.io"), \
             f"{name}: a custom resource without a vendored schema in tests/schemas"
-        for version in kube_versions():
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                pytest.fail(f"{name} (Kubernetes {version}): {exc.message} at {list(exc.caught.path)}")
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{name} (Kubernetes {version}): {exc.message} at {list(exc.caught.path)}")
 
 
 def test_the_values_files_render_what_they_say():
@@ -129,6 +133,13 @@ def test_gateway_probes_rollout_and_autoscaling():
                                                                            "averageValue": "2000"}},
             "type": "Pods"} in sockets
     assert "gateway_active_sockets" in (ROOT / "gateway" / "metrics.py").read_text()
+
+
+def test_gateway_prestop_is_a_native_sleep_where_kubernetes_has_one():
+    pre_stop = containers(one(manifests("default", "--kube-version", "1.30.0"), "Deployment", "-gateway"))[0]
+    assert pre_stop["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
+    pre_stop = containers(one(manifests("default", "--kube-version", "1.29.0"), "Deployment", "-gateway"))[0]
+    assert pre_stop["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
 
 
 def test_gateway_grace_period_covers_prestop_and_its_drain():
