@@ -6,6 +6,9 @@ a request carries it in the same field, `rid` (`log.info(..., extra=rid_of(rid))
 format appends it as ` rid=<id>`, the JSON format makes it a key. JSON lines come from
 python-json-logger (well kept, stdlib `logging` underneath): `ts`, `level`, `logger`,
 `message`, `process` (gateway | worker | engine), `pid`, and `rid` and other extras when given.
+A dict logged as the message (`log.info({"message": ..., "rid": ..., ...})`, the gateway's
+per-request line) puts its fields at the top of the JSON object, or as `key=value` after the
+message in the text format.
 """
 
 from __future__ import annotations
@@ -26,9 +29,18 @@ def rid_of(rid: str | None) -> dict:
 
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        if isinstance(record.msg, dict):     # a record of fields (the per-request line)
+            record = logging.makeLogRecord({**record.__dict__, "msg": fields_text(record.msg), "args": None})
         line = super().format(record)
         rid = getattr(record, "rid", None)
         return f"{line} rid={rid}" if rid else line
+
+
+def fields_text(fields: dict) -> str:
+    """A dict logged as a message, in the text format: its `message`, then `key=value` for
+    every other field that has a value (in JSON each field is a key of the line's object)."""
+    rest = " ".join(f"{k}={v}" for k, v in fields.items() if k != "message" and v is not None)
+    return f"{fields.get('message', '')} {rest}".strip()
 
 
 class _ProcessFilter(logging.Filter):
