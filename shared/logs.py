@@ -13,6 +13,7 @@ message in the text format.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -43,6 +44,25 @@ def fields_text(fields: dict) -> str:
     return f"{fields.get('message', '')} {rest}".strip()
 
 
+# the JSON line's own keys: LogRecord attribute -> key
+JSON_KEYS = {"asctime": "ts", "levelname": "level", "name": "logger", "service": "process", "process": "pid"}
+
+
+class _JsonFormatter(JsonFormatter):
+    """python-json-logger's formatter, with a short path for a dict message (one record of
+    fields, e.g. the per-request line): its keys go straight into the object after the line's
+    own keys, one json.dumps, instead of python-json-logger's rename lookup per key (a third of
+    the line's cost at ~25 fields; bench/request_log.py)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not isinstance(record.msg, dict) or record.exc_info or record.stack_info:
+            return super().format(record)
+        line = {"ts": self.formatTime(record, self.datefmt), "level": record.levelname, "logger": record.name,
+                "process": getattr(record, "service", None), "pid": record.process}
+        line.update(record.msg)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+
 class _ProcessFilter(logging.Filter):
     def __init__(self, process: str):
         super().__init__()
@@ -61,9 +81,8 @@ def configure(process: str, *, level: str | None = None, fmt: str | None = None,
     if fmt == "json":
         # progress bars (transformers loading weights) are not log lines: keep stdout one object a line
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(service)s %(process)d %(message)s",
-                                           rename_fields={"asctime": "ts", "levelname": "level", "name": "logger",
-                                                          "service": "process", "process": "pid"}))
+        handler.setFormatter(_JsonFormatter("%(asctime)s %(levelname)s %(name)s %(service)s %(process)d %(message)s",
+                                            rename_fields=JSON_KEYS))
     else:
         handler.setFormatter(_TextFormatter(TEXT_FORMAT))
     handler.addFilter(_ProcessFilter(process))
