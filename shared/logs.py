@@ -80,7 +80,9 @@ def configure(process: str, *, level: str | None = None, fmt: str | None = None,
     handler = logging.StreamHandler(stream or sys.stdout)
     if fmt == "json":
         # progress bars (transformers loading weights) are not log lines: keep stdout one object a line
+        # (read by tqdm when it is first imported: the worker sets them before that, worker.__main__)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
         handler.setFormatter(_JsonFormatter("%(asctime)s %(levelname)s %(name)s %(service)s %(process)d %(message)s",
                                             rename_fields=JSON_KEYS))
     else:
