@@ -4,6 +4,7 @@ in `rid`, so one filter follows it through gateway -> worker -> gateway."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 
@@ -13,12 +14,25 @@ from tests.gateway_client import GatewayClient, eventually
 from tests.stack_fixtures import start_gateway, start_worker
 
 
-async def test_json_logs_follow_one_request_through_both_processes(redis_server, tiny_model_dir, tmp_path):
-    prefix = f"logs{uuid.uuid4().hex[:8]}"
-    env = {"LOG_FORMAT": "json", "LOG_LEVEL": "DEBUG"}
-    worker = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path, name="w-logs", env=env)
-    gateway, base = start_gateway(redis_server.url, prefix, tmp_path, name="g-logs", env=env)
+@contextlib.contextmanager
+def json_logging(redis_url: str, model_dir, log_dir, name: str, level: str):
+    """A worker (tiny model) and a gateway process, both logging JSON at `level`:
+    (worker, gateway, the gateway's http base)."""
+    prefix = f"{name}{uuid.uuid4().hex[:8]}"
+    env = {"LOG_FORMAT": "json", "LOG_LEVEL": level}
+    worker = start_worker(redis_url, prefix, model_dir, log_dir, name=f"w-{name}", env=env)
     try:
+        gateway, base = start_gateway(redis_url, prefix, log_dir, name=f"g-{name}", env=env)
+        try:
+            yield worker, gateway, base
+        finally:
+            gateway.stop()
+    finally:
+        worker.stop()
+
+
+async def test_json_logs_follow_one_request_through_both_processes(redis_server, tiny_model_dir, tmp_path):
+    with json_logging(redis_server.url, tiny_model_dir, tmp_path, "logs", "DEBUG") as (worker, gateway, base):
         c = await GatewayClient.connect(base.replace("http", "ws") + "/v1/stream")
         await c.send(type="generate", id="traced", prompt="Once upon a time", max_tokens=8)
         rid = (await c.recv("traced"))["request_id"]
@@ -41,9 +55,6 @@ async def test_json_logs_follow_one_request_through_both_processes(redis_server,
         assert any("taken" in r["message"] for r in lines(worker) if r.get("rid") == rid)
         assert any("queued" in r["message"] for r in lines(gateway) if r.get("rid") == rid)
         assert any(r["process"] == "engine" for r in lines(worker))       # the engine process logs JSON too
-    finally:
-        gateway.stop()
-        worker.stop()
 
 
 async def test_one_info_line_per_finished_request_with_worker_fields_and_cancel_latency(redis_server, tiny_model_dir,
@@ -56,11 +67,7 @@ async def test_one_info_line_per_finished_request_with_worker_fields_and_cancel_
 
     from tests.stack_fixtures import metric, metric_samples
 
-    prefix = f"reqlog{uuid.uuid4().hex[:8]}"
-    env = {"LOG_FORMAT": "json", "LOG_LEVEL": "INFO"}
-    worker = start_worker(redis_server.url, prefix, tiny_model_dir, tmp_path, name="w-reqlog", env=env)
-    gateway, base = start_gateway(redis_server.url, prefix, tmp_path, name="g-reqlog", env=env)
-    try:
+    with json_logging(redis_server.url, tiny_model_dir, tmp_path, "reqlog", "INFO") as (_, gateway, base):
         c = await GatewayClient.connect(base.replace("http", "ws") + "/v1/stream")
         whole = await c.generate("whole", prompt="Once upon a time", max_tokens=8)
         await c.until_done("whole")
@@ -115,6 +122,3 @@ async def test_one_info_line_per_finished_request_with_worker_fields_and_cancel_
         assert metric(found, "gateway_cancel_latency_seconds_sum", origin="client") == \
             pytest.approx(cancelled["cancel_ms"] / 1000, abs=0.001)
         assert not [raw for raw in gateway.log().splitlines() if json.loads(raw)["level"] == "DEBUG"]
-    finally:
-        gateway.stop()
-        worker.stop()
