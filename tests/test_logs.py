@@ -94,7 +94,8 @@ async def test_one_info_line_per_finished_request_with_worker_fields_and_cancel_
                         assert record["rid"] not in out, f"two lines for one request: {record}"
                         out[record["rid"]] = record
                 return out
-            assert await eventually(lambda: {whole, stopped, left} <= set(finished()), timeout=20), gateway.log()[-3000:]
+            assert await eventually(lambda: {whole, stopped, left} <= set(finished()), timeout=20), \
+                gateway.log()[-3000:]
             found = metric_samples((await http.get("/metrics")).text)
 
         lines = finished()
