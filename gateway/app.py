@@ -116,6 +116,12 @@ async def index(request: Request) -> Response:
     return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+async def favicon(request: Request) -> Response:
+    """Browsers ask for /favicon.ico whatever the page says: answer it rather than log a 404."""
+    return FileResponse(STATIC_DIR / "favicon.ico", media_type="image/x-icon",
+                        headers={"Cache-Control": "public, max-age=86400"})
+
+
 def create_app(settings: GatewaySettings | None = None) -> Starlette:
     settings = settings or GatewaySettings()
     hub = Hub(settings)
@@ -139,6 +145,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
             Route("/version", version),
             Route("/metrics", metrics),
             Route("/", index),
+            Route("/favicon.ico", favicon),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
             Mount("/clients/js", StaticFiles(directory=CLIENTS_JS_DIR, check_dir=False), name="clients-js"),
         ],

@@ -190,7 +190,7 @@ class MessageHandler:
             raise ProtocolError(ErrorCode.UNKNOWN_ID, f"no running request {msg.id!r} on this socket", msg.id)
         if req.cancel_requested or req.final is not None:
             return
-        req.cancel_requested = True
+        req.cancelling("client")
         self.metrics.cancels.labels("client").inc()
         owner = await self.submitter.cancel(req.rid)
         if owner is None:

@@ -29,6 +29,7 @@ from gateway.inbox import Inbox
 from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
 from gateway.new_request import RequestStarter
+from gateway.request_log import CancelWatch
 from gateway.requests import RequestTable
 from gateway.resume import Resumer
 from gateway.router import Router
@@ -54,6 +55,7 @@ class Hub:
         self.settings = settings
         self.keys = Keys(settings.stream_prefix)
         self.metrics = GatewayMetrics()
+        self.cancel_watch = CancelWatch(self.metrics, expire_s=settings.cancel_fallback_s)
         self.key_checker = KeyChecker.from_settings(settings)
         self.origins = OriginPolicy(settings.allowed_origins)
         self.socket_caps = SocketCaps(per_key=settings.max_sockets_per_key, per_address=settings.max_sockets_per_address)
@@ -70,7 +72,8 @@ class Hub:
         self.redis = connect(s.redis_url, max_connections=64)
         # the inbox reader sits in XREAD BLOCK on its own connection; its read timeout outlasts the block
         self._reader_redis = connect(s.redis_url, socket_timeout=s.inbox_block_ms / 1000 + 10)
-        self.reader = Inbox(self._reader_redis, self.keys.inbox(self.gw_id), block_ms=s.inbox_block_ms)
+        self.reader = Inbox(self._reader_redis, self.keys.inbox(self.gw_id), block_ms=s.inbox_block_ms,
+                            on_unclaimed=self.cancel_watch.on_unclaimed)
         self.submitter = Submitter(self.redis, self.keys, self.gw_id, request_maxlen=s.request_stream_maxlen,
                                    output_ttl_s=s.output_ttl_s, concurrency=s.per_key_concurrency,
                                    rate_per_min=s.per_key_rate_per_min, lease_s=s.concurrency_lease_s)
@@ -141,7 +144,8 @@ class Hub:
 
     def request_table(self, wake: asyncio.Event) -> RequestTable:
         return RequestTable(wake, reader=self.reader, read_history=self.submitter.read_history,
-                            bookkeeper=self.bookkeeper, metrics=self.metrics, settings=self.settings)
+                            bookkeeper=self.bookkeeper, metrics=self.metrics, settings=self.settings,
+                            cancel_watch=self.cancel_watch)
 
     def websocket_session(self, socket: FrameSocket, *, key_id: str | None, claim: SocketClaim) -> Connection:
         wake = WakeEvent()       # set whenever the sender has something to do
@@ -161,6 +165,7 @@ class Hub:
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            self.cancel_watch.expire(now)
             stalled: list[str] = []
             for conn in list(self.sessions.busy):
                 conn.check_slow(now)

@@ -46,12 +46,16 @@ class Subscriber:
 
 
 class Inbox:
-    def __init__(self, redis: aioredis.Redis, key: str, *, block_ms: int = 2000, count: int = 256):
+    def __init__(self, redis: aioredis.Redis, key: str, *, block_ms: int = 2000, count: int = 256,
+                 on_unclaimed: EventCallback | None = None):
         self.redis = redis          # a dedicated client: it sits in XREAD BLOCK
         self.key = key
         self.block_ms = block_ms
         self.count = count
         self._subs: dict[str, Subscriber] = {}
+        # events of requests no session here subscribes to (a cancelled request whose client
+        # left: gateway.request_log.CancelWatch); never called for a subscribed request
+        self.on_unclaimed = on_unclaimed
         self._last_id = f"{int(time.time() * 1000)}-0"
         self._task: asyncio.Task | None = None
         self.healthy = False
@@ -122,6 +126,11 @@ class Inbox:
                 continue
             sub = self._subs.get(ev.get("rid"))
             if sub is None or sub.closed:
+                if self.on_unclaimed is not None:
+                    try:
+                        self.on_unclaimed(ev)
+                    except Exception:
+                        log.exception("unclaimed-event callback failed")
                 continue
             self.events_delivered += 1
             try:

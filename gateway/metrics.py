@@ -5,9 +5,20 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
-GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 5)
+
+from shared.errors import ErrorCode
+from shared.slo_buckets import CANCEL_BUCKETS, GAP_BUCKETS, TTFT_BUCKETS, TTLT_BUCKETS
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CANCEL_ORIGINS = ("client", "http_disconnect", "orphan", "stall")
+# the cancels whose end-to-end latency is measured: a client that asked (its cancel frame, or
+# its HTTP connection closing) and is told when the engine freed the request's slot
+TIMED_CANCEL_ORIGINS = ("client", "http_disconnect")
+# socket closes: the client's and the network's, then the server's usual reasons
+CLOSE_REASONS = ("client", "lost", ErrorCode.SLOW_CONSUMER.value, ErrorCode.SHUTTING_DOWN.value,
+                 ErrorCode.UNAUTHORIZED.value, ErrorCode.INTERNAL.value)
+RESUME_OUTCOMES = ("attached", ErrorCode.RESUME_EXPIRED.value, ErrorCode.RATE_LIMITED.value,
+                   ErrorCode.BACKEND_UNAVAILABLE.value)
 
 
 class GatewayMetrics:
@@ -19,13 +30,13 @@ class GatewayMetrics:
         self.active_requests = Gauge("gateway_active_requests", "requests streaming on this replica", registry=r)
         self.requests = Counter("gateway_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.rejections = Counter("gateway_rejections", "messages rejected by error code", ["code"], registry=r)
-        self.ttft = Histogram("gateway_ttft_seconds", "accepted -> first chunk sent", buckets=LATENCY_BUCKETS,
+        self.ttft = Histogram("gateway_ttft_seconds", "accepted -> first chunk sent", buckets=TTFT_BUCKETS,
                               registry=r)
         self.ttfmt = Histogram("gateway_time_to_first_meaningful_token_seconds",
-                               "accepted -> first chunk with non-whitespace text sent", buckets=LATENCY_BUCKETS,
+                               "accepted -> first chunk with non-whitespace text sent", buckets=TTFT_BUCKETS,
                                registry=r)
         self.ttlt = Histogram("gateway_time_to_last_token_seconds", "accepted -> last chunk sent (requests that "
-                              "produced tokens; resumed ones excluded)", buckets=E2E_BUCKETS, registry=r)
+                              "produced tokens; resumed ones excluded)", buckets=TTLT_BUCKETS, registry=r)
         self.cancels = Counter("gateway_cancels", "requests this replica cancelled, by origin: client (a cancel "
                                "message), http_disconnect (an HTTP client went away), orphan (a dropped socket or a "
                                "dead gateway's request not resumed within RESUME_GRACE_S), stall (no progress for "
@@ -55,8 +66,33 @@ class GatewayMetrics:
                                  ["state"], registry=r)
         self.live_workers = Gauge("gateway_live_workers", "workers whose registry heartbeat is younger than "
                                   "WORKER_TTL_S, as this replica last read it", registry=r)
+        self.cancel_latency = Histogram("gateway_cancel_latency_seconds", "a client's cancel (its cancel frame, or "
+                                        "its HTTP connection closing) reaching this gateway -> the engine freed the "
+                                        "request's slot (the worker's cancelled final arrived here), by origin",
+                                        ["origin"], buckets=CANCEL_BUCKETS, registry=r)
         self.taken_over = Counter("gateway_orphans_taken_over", "requests of dead gateways this replica parked "
                                                                 "for resume", registry=r)
+
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """Every labelled series the dashboard and the alerts query, at 0 from the start: a
+        counter that appears only with its first event makes `rate()` miss that event and
+        panels show "no data" (Prometheus cannot tell "never happened" from "not exported")."""
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        for code in ErrorCode:
+            self.rejections.labels(code.value)
+        for outcome in RESUME_OUTCOMES:
+            self.resumes.labels(outcome)
+        for origin in CANCEL_ORIGINS:
+            self.cancels.labels(origin)
+        for origin in TIMED_CANCEL_ORIGINS:
+            self.cancel_latency.labels(origin)
+        for reason in CLOSE_REASONS:
+            self.socket_closes.labels(reason)
+        for state in ("queued", "pending"):
+            self.queue_depth.labels(state)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

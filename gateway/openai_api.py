@@ -635,13 +635,14 @@ class RunRequest(Response):
 
     async def _cancel(self) -> None:
         req = self.req
-        req.cancel_requested = True
+        req.cancelling("http_disconnect")    # its final, once the session is gone: request_log.CancelWatch
         # counted here: this session never sees the request's `done` (the WebSocket path counts
         # a cancel when the worker's `done` comes back on the socket)
         self.hub.metrics.requests.labels("cancelled").inc()
         self.hub.metrics.cancels.labels("http_disconnect").inc()
         try:
-            await self.hub.submitter.cancel(req.rid)    # flag + owner's control stream: a queued one never starts
+            if await self.hub.submitter.cancel(req.rid) is None:   # flag + owner's control stream
+                req.cancel_at = None     # still queued: it never starts, no slot to free, nothing to time
         except (RedisError, OSError) as exc:
             log.warning("could not cancel %s after a client disconnect: %s", req.rid, exc, extra=rid_of(req.rid))
 

@@ -18,7 +18,8 @@ from gateway.stream_join import StreamJoin
 class RequestState:
     __slots__ = ("client_id", "rid", "key_id", "buffer", "sub", "join", "seq", "accepted", "started",
                  "first_sent", "last_sent", "att", "cancel_requested", "cancel_timer", "resumed", "slot_held",
-                 "finished", "attach_timer", "progress_at", "stale_seen", "meaningful_sent", "prompt_tokens")
+                 "finished", "attach_timer", "progress_at", "stale_seen", "meaningful_sent", "meaningful_at",
+                 "cancel_origin", "cancel_at", "cancel_ms", "prompt_tokens")
 
     def __init__(self, client_id: str, rid: str, key_id: str, buffer: ChunkBuffer, *, skip_seq: int = 0,
                  resumed: bool = False):
@@ -45,6 +46,17 @@ class RequestState:
         self.stale_seen = 0          # stale-writer events the join dropped, already counted in metrics
         self.meaningful_sent = False  # a chunk with non-whitespace text went out
         self.prompt_tokens = 0       # the prompt's size in tokens, as the worker's token events say
+        self.meaningful_at: float | None = None    # ... at this monotonic time
+        self.cancel_origin: str | None = None      # the client cancelled it: client | http_disconnect
+        self.cancel_at: float | None = None        # when this gateway received that cancel (monotonic)
+        self.cancel_ms: float | None = None        # cancel -> the worker's cancelled final here (request_log)
+
+    def cancelling(self, origin: str) -> None:
+        """The client cancelled the request (`origin`: client, http_disconnect), now."""
+        self.cancel_requested = True
+        if self.cancel_origin is None:
+            self.cancel_origin = origin
+            self.cancel_at = time.monotonic()
 
     @property
     def final(self) -> dict | None:

@@ -34,6 +34,7 @@ from gateway.flusher import ChunkBuffer
 from gateway.frames import done_frame
 from gateway.inbox import Inbox
 from gateway.metrics import GatewayMetrics
+from gateway.request_log import CancelWatch, cancel_confirmed, log_finished
 from gateway.request_state import RequestState
 from gateway.settings import GatewaySettings
 from shared.errors import ErrorCode
@@ -49,8 +50,9 @@ HistoryReader = Callable[[str, int], Awaitable[list[dict]]]
 
 class RequestTable:
     def __init__(self, wake: asyncio.Event, *, reader: Inbox, read_history: HistoryReader, bookkeeper: Bookkeeper,
-                 metrics: GatewayMetrics, settings: GatewaySettings):
+                 metrics: GatewayMetrics, settings: GatewaySettings, cancel_watch: CancelWatch | None = None):
         self._wake = wake
+        self.cancel_watch = cancel_watch    # cancelled requests that end with their session
         self.reader = reader
         self.read_history = read_history
         self.bookkeeper = bookkeeper
@@ -96,10 +98,12 @@ class RequestTable:
     def finish(self, req: RequestState) -> Done:
         """The request's output is all sent: forget it here and build its `done`. Its Redis
         bookkeeping (lease, `reqs`) is queued, not awaited: `done` goes out at once."""
-        done = done_frame(req, time.monotonic())
+        now = time.monotonic()
+        done = done_frame(req, now)
         self.metrics.requests.labels(done.finish_reason).inc()
         if req.last_sent is not None and not req.resumed:
             self.metrics.ttlt.observe(req.last_sent - req.started)
+        log_finished(req, req.final, now)
         log.debug("request %s done on this gateway (%s): %s, seq %d", req.rid, req.client_id, done.finish_reason,
                   done.seq, extra=rid_of(req.rid))
         self._detach(req)
@@ -114,10 +118,17 @@ class RequestTable:
         orphans: list[tuple[str, int]] = []
         for req in list(self._by_id.values()):
             moved = req.sub is not None and req.sub.closed    # resumed on another session of this replica
+            unfinished = not req.finished
             self._detach(req)
             req.slot_held = False
             if not req.cancel_requested and not moved:
                 orphans.append((req.rid, req.att))
+            elif req.cancel_origin is not None and unfinished and not moved:
+                # the client cancelled it and left: its final (the slot freed) still comes here
+                if req.final is not None or self.cancel_watch is None:
+                    log_finished(req, req.final)
+                else:
+                    self.cancel_watch.watch(req)
         self._by_id.clear()
         if orphans:
             self.bookkeeper.orphaned(orphans)
@@ -206,6 +217,8 @@ class RequestTable:
                 if ev.get("pt"):
                     req.prompt_tokens = int(ev["pt"])
                 req.buffer.add(ev.get("text") or "", int(ev.get("n") or 0), int(ev["seq"]), now, ev.get("lp"))
+        if req.cancel_at is not None and req.final is not None:
+            cancel_confirmed(req, req.final, self.metrics, now)
         if was_empty or req.final is not None or req.buffer.due(now):
             self._wake.set()
 

@@ -256,6 +256,7 @@ class Sender:
             m.inter_chunk.observe(now - req.last_sent)
         if not req.meaningful_sent and pending.text.strip():
             req.meaningful_sent = True
+            req.meaningful_at = now
             if not req.resumed:
                 m.ttfmt.observe(now - req.started)
         req.last_sent = now

@@ -141,6 +141,8 @@ class Stack:
             _log(f"redis-server on {self.redis_url} (AOF in {data})")
         else:
             _log("using REDIS_URL from the environment")
+        # the settings every child runs with: the Redis chosen above, not the default URL
+        print(self.settings.model_copy(update={"redis_url": self.redis_url}).log_line("stack"), flush=True)
 
         base_env = {**os.environ, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
         py = sys.executable
@@ -358,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
     if args.grace is None:  # outlast the workers' own drain, or they get SIGKILLed mid-hand-back
         args.grace = max(45.0, getattr(settings, "shutdown_grace_s", 30.0) + 15.0)
-    print(settings.log_line("stack"), flush=True)
     stack = Stack(args, settings)
 
     def on_signal(signum, _frame):

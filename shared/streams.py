@@ -210,10 +210,13 @@ _ENTRY_FIELDS = {f for f in RequestEntry.__dataclass_fields__ if f != "params"}
 #               (`seq` = tokens delivered so far; `text` may be "" while ids advance).
 #               A request that asks for logprobs adds "lp": [N entries], one per id:
 #               [token, logprob, [[token, logprob], ...top], text_offset] (worker.engine.logprobs).
-# Final events: {"v":2,"k":"done","rid","seq","finish_reason","usage","ep","ms"}
+# Final events: {"v":2,"k":"done","rid","seq","finish_reason","usage","ep","ms"[,"wk","lane"]}
 #               (usage: prompt_tokens, completion_tokens, cached_tokens when the prefix cache
-#               served some, ttft_ms when a token was produced)
-#               {"v":2,"k":"err","rid","seq","code","message","retryable","ep","ms"}; no tokens.
+#               served some, ttft_ms / ttfmt_ms / ttlt_ms (submit -> first token, first
+#               non-whitespace token, the final) when known; `wk` the worker that wrote it and
+#               `lane` the request's priority, for the gateway's per-request log line)
+#               {"v":2,"k":"err","rid","seq","code","message","retryable","ep","ms"[,"wk","lane"]};
+#               no tokens.
 # Attach marker (inbox only): {"v":2,"k":"att","rid","seq":S|None,"ep","att"}: rid's live events
 #               come to this inbox from now on; everything <= S is in the history (None: this
 #               worker does not hold rid, read the history to its end).
@@ -238,21 +241,34 @@ def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int, 
 
 
 def encode_done(rid: str, seq: int, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                ep: int, ms: int, *, ttft_ms: int | None = None, cached_tokens: int = 0) -> bytes:
+                ep: int, ms: int, *, ttft_ms: int | None = None, cached_tokens: int = 0,
+                ttfmt_ms: int | None = None, ttlt_ms: int | None = None, worker: str = "", lane: str = "") -> bytes:
     """`ttft_ms`: submit (the entry's created_ms) -> first token produced, by the worker's clock:
-    what a client that resumes a finished request is told its time to first token was."""
+    what a client that resumes a finished request is told its time to first token was.
+    `ttfmt_ms` (first non-whitespace token), `ttlt_ms` (the final), `worker` and `lane` are
+    for the gateway's per-request log line."""
     usage: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
     if cached_tokens:
         usage["cached_tokens"] = cached_tokens
-    if ttft_ms is not None:
-        usage["ttft_ms"] = max(0, ttft_ms)
-    return _pack({"v": EVENT_VERSION, "k": "done", "rid": rid, "seq": seq, "finish_reason": finish_reason,
-                  "usage": usage, "ep": ep, "ms": ms})
+    for name, value in (("ttft_ms", ttft_ms), ("ttfmt_ms", ttfmt_ms), ("ttlt_ms", ttlt_ms)):
+        if value is not None:
+            usage[name] = max(0, value)
+    return _pack(_who({"v": EVENT_VERSION, "k": "done", "rid": rid, "seq": seq, "finish_reason": finish_reason,
+                       "usage": usage, "ep": ep, "ms": ms}, worker, lane))
 
 
-def encode_err(rid: str, seq: int, code: str, message: str, retryable: bool, ep: int, ms: int) -> bytes:
-    return _pack({"v": EVENT_VERSION, "k": "err", "rid": rid, "seq": seq, "code": code, "message": message,
-                  "retryable": retryable, "ep": ep, "ms": ms})
+def encode_err(rid: str, seq: int, code: str, message: str, retryable: bool, ep: int, ms: int, *,
+               worker: str = "", lane: str = "") -> bytes:
+    return _pack(_who({"v": EVENT_VERSION, "k": "err", "rid": rid, "seq": seq, "code": code, "message": message,
+                       "retryable": retryable, "ep": ep, "ms": ms}, worker, lane))
+
+
+def _who(event: dict, worker: str, lane: str) -> dict:
+    if worker:
+        event["wk"] = worker
+    if lane:
+        event["lane"] = lane
+    return event
 
 
 def encode_attach_marker(rid: str, seq: int | None, ep: int, att: int) -> bytes:

@@ -111,6 +111,64 @@ def test_every_alert_is_unit_tested_firing_and_quiet():
     assert (fires | quiet) - names == set(), f"tests of unknown alerts: {sorted((fires | quiet) - names)}"
 
 
+def exported_bucket_edges() -> dict[str, set[str]]:
+    """`<histogram>_bucket` -> the `le` values the gateway's and the worker's registries export."""
+    from gateway.metrics import GatewayMetrics
+    from worker.metrics import WorkerMetrics
+    edges: dict[str, set[str]] = {}
+    for registry in (GatewayMetrics().registry, WorkerMetrics().registry):
+        for family in registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    edges.setdefault(sample.name, set()).add(sample.labels["le"])
+    return edges
+
+
+def bucket_series(group: dict) -> dict[str, set[str]]:
+    """`<histogram>_bucket` -> the `le` values one promtool test group feeds."""
+    out: dict[str, set[str]] = {}
+    for series in group.get("input_series", []):
+        m = re.fullmatch(r"(\w+_bucket)\{(.*)\}", series["series"])
+        if m:
+            out.setdefault(m.group(1), set()).add(re.search(r'le="([^"]+)"', m.group(2)).group(1))
+    return out
+
+
+def same_edge(a: str, b: str) -> bool:
+    return a == b or (a != "+Inf" and b != "+Inf" and float(a) == float(b))
+
+
+def test_histogram_cases_use_edges_the_code_exports():
+    """A quantile in a promtool case is only what production reads if the case's buckets are
+    the code's (shared/slo_buckets.py): an edge the code lacks would test another layout."""
+    exported = exported_bucket_edges()
+    tests = yaml.safe_load(ALERTS_TEST.read_text())
+    checked = 0
+    for group in tests["tests"]:
+        for name, edges in bucket_series(group).items():
+            assert name in exported, f"{group['name']}: {name} is not exported"
+            stray = [le for le in edges if not any(same_edge(le, e) for e in exported[name])]
+            assert not stray, f"{group['name']}: {name} has no bucket le={stray} (the code's: {sorted(exported[name])})"
+            checked += 1
+    assert checked >= 10
+
+
+def test_ttft_slo_cases_use_the_whole_exported_layout():
+    """The healthy and the sick SLO cases feed every edge of gateway_ttft_seconds, so their
+    p95 is exactly what Prometheus reads from a real gateway; there is an edge at the SLO."""
+    from shared.slo_buckets import TTFT_BUCKETS
+    exported = exported_bucket_edges()["gateway_ttft_seconds_bucket"]
+    assert 2.0 in TTFT_BUCKETS and 0.5 in TTFT_BUCKETS   # the SLO's and the drift/jump alerts' thresholds
+    groups = {g["name"]: g for g in yaml.safe_load(ALERTS_TEST.read_text())["tests"]}
+    healthy = groups["TTFT p95 of a healthy load (every TTFT <= 1.3 s) stays under the SLO"]
+    sick = groups["TTFT p95 breaks the SLO"]
+    for group in (healthy, sick):
+        fed = bucket_series(group)["gateway_ttft_seconds_bucket"]
+        assert {float(le) for le in fed} == {float(le) for le in exported}
+    assert [c["exp_alerts"] for c in healthy["alert_rule_test"]] == [[]]
+    assert sick["alert_rule_test"][-1]["exp_alerts"], "the sick load must fire"
+
+
 def test_alerts_name_only_scrape_jobs_the_config_defines():
     jobs = {job["job_name"] for job in yaml.safe_load(PROM_CONFIG.read_text())["scrape_configs"]}
     for rule in alert_rules():

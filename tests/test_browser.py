@@ -71,6 +71,36 @@ async def test_chat_page_streams_shows_ttft_and_stop_cancels(redis_server, brows
             await browser.close()
 
 
+async def test_page_connects_on_load_and_has_a_favicon(redis_server, browser_stack):
+    """A new visitor sees "connected" before sending anything (the page opens its socket on
+    load), and nothing the page asks for is missing: /favicon.ico is an icon, not a 404."""
+    from playwright.async_api import async_playwright, expect
+
+    settings = GatewaySettings(redis_url=redis_server.url, stream_prefix=browser_stack, heartbeat_s=5, ws_ping_s=5,
+                               ping_timeout_s=10)
+    async with gateway_in_process(settings) as gw, async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            statuses: list[tuple[str, int]] = []
+            page.on("response", lambda resp: statuses.append((resp.url, resp.status)))
+            await page.goto(gw.base + "/")
+            await expect(page.locator("#conn")).to_have_text("connected", timeout=15000)
+            await expect(page.locator("#conn")).to_have_class(re.compile(r"\bon\b"))
+            assert gw.hub.metrics.registry.get_sample_value("gateway_active_sockets") == 1
+            assert await page.locator(".msg").count() == 0          # nothing sent yet
+            status, kind, size = await page.evaluate(
+                "fetch('/favicon.ico').then(async r => [r.status, r.headers.get('content-type'), "
+                "(await r.arrayBuffer()).byteLength])")
+            assert (status, kind) == (200, "image/x-icon") and size > 0
+            assert await page.locator('link[rel="icon"]').get_attribute("href") == "/favicon.ico"
+            assert not [s for s in statuses if s[1] >= 400], statuses
+        finally:
+            await browser.close()
+    icon = (ROOT / "gateway" / "static" / "favicon.ico").read_bytes()
+    assert icon[:4] == b"\x00\x00\x01\x00"          # an ICO header (image type 1)
+
+
 @contextlib.contextmanager
 def two_gateways_behind_nginx(redis_url: str, prefix: str, run_dir: Path):
     """Two gateway processes and nginx (the deploy/nginx config, as scripts/stack.py runs it)."""

@@ -323,3 +323,63 @@ def test_grafana_provisioning_points_at_the_profiles_prometheus_and_dashboards()
     assert datasource["url"] == "http://prometheus:9090"
     [provider] = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "llm-stream.yml").read_text())["providers"]
     assert provider["type"] == "file" and provider["options"]["path"] == "/etc/grafana/dashboards"
+
+
+# ---------------------------------------------------------------- present from the start
+
+SELECTOR = re.compile(r"\b((?:gateway|worker)_[a-z0-9_]+)(?:\{([^}]*)\})?")
+
+
+def series_used() -> dict[str, set[tuple[str, str]]]:
+    """gateway_/worker_ metric -> the (label, value) equality matchers the dashboard and the
+    alerts put on it (regex matchers and the target labels aside)."""
+    used: dict[str, set[tuple[str, str]]] = {}
+    for _, expr in dashboard_queries() + alert_queries():
+        for name, matchers in SELECTOR.findall(grafana_to_promql(expr)):
+            pairs = used.setdefault(name, set())
+            for label, value in re.findall(r'(\w+)\s*=\s*"([^"]*)"', matchers or ""):
+                if label not in TARGET_LABELS:
+                    pairs.add((label, value))
+    return used
+
+
+async def test_every_series_the_dashboard_and_alerts_use_is_scraped_from_a_fresh_start(redis_server, stream_prefix,
+                                                                                        tmp_path):
+    """A gateway and a worker that have served nothing yet already export every metric the
+    dashboard and the alert rules query, and every labelled series they select (e.g.
+    gateway_rejections_total{code="overloaded"}) at 0: `rate()` then counts the first event
+    after a start, and no panel shows "no data"."""
+    import httpx
+
+    from shared.localredis import free_port
+    from tests.stack_fixtures import gateway_in_process, gateway_settings, metric_samples, start_synthetic_worker
+
+    port = free_port()
+    worker = start_synthetic_worker(redis_server.url, stream_prefix, tmp_path, name="w-fresh",
+                                    env={"WORKER_METRICS_PORT": port})
+    try:
+        async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix)) as gw, \
+                httpx.AsyncClient(timeout=10) as http:
+            scraped = {**metric_samples((await http.get(gw.base + "/metrics")).text),
+                       **metric_samples((await http.get(f"http://127.0.0.1:{port}/metrics")).text)}
+    finally:
+        worker.stop()
+    labels_of: dict[str, list[dict]] = {}
+    for name, labels in scraped:
+        labels_of.setdefault(name, []).append(dict(labels))
+    assert scraped[("worker_max_batch", ())] == 8          # start_synthetic_worker's --max-batch
+    used = series_used()
+    assert {"gateway_rejections_total", "gateway_resumes_total", "gateway_cancel_latency_seconds_bucket",
+            "worker_num_requests_waiting", "worker_max_batch"} <= set(used)
+    missing = []
+    for name, pairs in sorted(used.items()):
+        if name not in labels_of:
+            missing.append(name)
+            continue
+        for label, value in sorted(pairs):
+            if not any(s.get(label) == value for s in labels_of[name]):
+                missing.append(f'{name}{{{label}="{value}"}}')
+    assert not missing, f"not exported before the first event: {missing}"
+    for name, pairs in used.items():      # and at zero: nothing happened yet
+        if name.endswith("_total"):
+            assert all(v == 0 for (n, _), v in scraped.items() if n == name), name

@@ -302,3 +302,29 @@ async def test_redis_restarts_under_load_keep_admitting_and_never_move_a_live_wo
             p.stop()
         await redis.aclose()
         server.stop()
+
+
+async def test_a_new_group_is_set_quietly_and_a_wrong_lag_warns(redis_client, stream_prefix, caplog):
+    """A fresh Redis: the group Redis creates has no entries-read counter but a true lag (0, or
+    the entries waiting); the worker sets the counter without warning of a failover that never
+    happened. A stale counter (its lag counts read entries as queued) still warns."""
+    keys = Keys(stream_prefix)
+    with caplog.at_level("DEBUG", logger="worker.consumer_group"):
+        await ensure_group(redis_client, keys)
+        [group] = await redis_client.xinfo_groups(keys.requests)
+        assert group["entries-read"] is None and group["lag"] == 0
+        assert await resync_entries_read(redis_client, keys) is False
+        ids = [await redis_client.xadd(keys.requests, {ENTRY_FIELD: b"x"}) for _ in range(3)]
+        assert await resync_entries_read(redis_client, keys) is False       # counter right: nothing to do
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+        # what an AOF reload leaves (test above): a stale counter, so `lag` counts read entries as queued
+        await redis_client.xreadgroup(CONSUMER_GROUP, "w", {keys.requests: ">"}, count=1)
+        await redis_client.execute_command("XGROUP", "SETID", keys.requests, CONSUMER_GROUP, ids[0], "ENTRIESREAD", 0)
+        [group] = await redis_client.xinfo_groups(keys.requests)
+        assert group["lag"] == 3
+        assert await resync_entries_read(redis_client, keys) is True
+        [group] = await redis_client.xinfo_groups(keys.requests)
+        assert group["lag"] == 2 and group["entries-read"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "entries-read counter was wrong" in warnings[0]

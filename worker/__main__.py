@@ -30,7 +30,18 @@ def dump_stacks() -> None:
     faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
 
 
+def quiet_progress_bars() -> None:
+    """No progress bars in a worker: loading a model draws them (transformers' GGUF de-quantizing
+    loop uses tqdm directly, huggingface_hub its own), and in a service log they are noise, in a
+    JSON log they are lines that are not JSON. Set before the engine imports tqdm (tqdm reads
+    TQDM_* once, at import); the engine process inherits them. TQDM_DISABLE= (empty) turns them
+    back on."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main() -> int:
+    quiet_progress_bars()
     settings = get_settings()
     configure("worker")
     logging.getLogger("worker").info(settings.log_line("worker"))

@@ -27,7 +27,9 @@ log = logging.getLogger("worker.consumer_group")
 # XREADGROUP could move last-delivered back and deliver entries twice; inside the script it
 # sets last-delivered to the value it already has). The count is O(undelivered entries), run
 # only when a worker sees a new Redis or the counter is visibly off, never per request.
-# Returns false (no stream or group), or {changed 0/1, entries_read, undelivered}.
+# Returns false (no stream or group), or {changed 0/1, entries_read, undelivered, lag_was_wrong 0/1}
+# (the group's `lag`, what gateways and operators read, was nil or not the undelivered count; a new
+# group has no counter but a true lag).
 RESYNC_ENTRIES_READ = """
 local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
 if not ok then return false end
@@ -44,9 +46,10 @@ for i = 1, #info, 2 do stream[info[i]] = info[i + 1] end
 local last = group['last-delivered-id']
 local undelivered = #redis.call('XRANGE', KEYS[1], '(' .. last, '+')
 local read = stream['entries-added'] - undelivered
-if group['entries-read'] == read then return {0, read, undelivered} end
+local lag_wrong = (group['lag'] ~= undelivered) and 1 or 0
+if group['entries-read'] == read then return {0, read, undelivered, lag_wrong} end
 redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], last, 'ENTRIESREAD', read)
-return {1, read, undelivered}
+return {1, read, undelivered, lag_wrong}
 """
 
 
@@ -62,15 +65,22 @@ async def ensure_group(redis, keys: Keys) -> None:
 async def resync_entries_read(redis, keys: Keys) -> bool:
     """Set the group's entries-read from what the stream really holds after the group's
     last-delivered id, so `lag` is the number of undelivered entries again. Returns whether the
-    counter was wrong."""
+    counter was wrong, i.e. the group's `lag` (what gateways and operators read) was not the
+    number of undelivered entries, or unknown. A counter that is merely absent while `lag` is
+    true is a new group (Redis creates one without a counter): it is set quietly, so a fresh
+    start does not warn of a failover that never happened."""
     result = await redis.eval(RESYNC_ENTRIES_READ, 1, keys.requests, CONSUMER_GROUP)
     if not result:
         return False
-    changed, entries_read, undelivered = (int(x) for x in result)
-    if changed:
+    changed, entries_read, undelivered, lag_wrong = (int(x) for x in result)
+    wrong = bool(changed and lag_wrong)
+    if wrong:
         log.warning("the request group's entries-read counter was wrong (a Redis restart or failover): set it "
                     "to %d, so its lag reads the %d undelivered entries", entries_read, undelivered)
-    return bool(changed)
+    elif changed:
+        log.debug("the request group had no entries-read counter (a new group), its lag was true: set it to %d",
+                  entries_read)
+    return wrong
 
 
 async def counters_look_wrong(redis, keys: Keys) -> bool:

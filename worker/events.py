@@ -83,12 +83,14 @@ class InFlight:
     fenced: bool = False                 # another worker took it over: write nothing more
     ttl_set: bool = False                # this run has set the history stream's TTL
     dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
+    worker: str = ""                     # this worker's id, named in the final event
 
     @classmethod
     def start(cls, rid: str, entry_id: str, entry: RequestEntry | None, progress: Progress, *,
-              epoch: int = 0, gw: str = "", key_id: str = "") -> "InFlight":
+              epoch: int = 0, gw: str = "", key_id: str = "", worker: str = "") -> "InFlight":
         return cls(rid=rid, entry_id=entry_id, entry=entry, key_id=key_id or (entry.key_id if entry else ""),
-                   gw=gw or (entry.gw if entry else ""), epoch=epoch, seq=progress.seq, written_seq=progress.seq)
+                   gw=gw or (entry.gw if entry else ""), epoch=epoch, seq=progress.seq, written_seq=progress.seq,
+                   worker=worker)
 
     # ---- what the engine produced ----
 
@@ -120,16 +122,26 @@ class InFlight:
     def finish_done(self, reason: str, prompt_tokens: int = 0, completion_tokens: int = 0, *,
                     cached_tokens: int = 0) -> None:
         self.freeze()
+        now = _now_ms()
         created = self.entry.created_ms if self.entry else 0
-        ttft_ms = self.first_token_ms - created if self.first_token_ms and created else None
+
+        def since_submit(at: int) -> int | None:
+            return at - created if at and created else None
         self._freeze_final(encode_done(self.rid, self.seq, reason, prompt_tokens, completion_tokens,
-                                       self.epoch, _now_ms(), ttft_ms=ttft_ms, cached_tokens=cached_tokens))
+                                       self.epoch, now, ttft_ms=since_submit(self.first_token_ms),
+                                       cached_tokens=cached_tokens, ttfmt_ms=since_submit(self.meaningful_ms),
+                                       ttlt_ms=since_submit(self.final_ms or now), worker=self.worker,
+                                       lane=self.lane))
 
     def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None) -> None:
         self.freeze()
         self._freeze_final(encode_err(self.rid, self.seq, code.value, message,
                                       code in RETRYABLE if retryable is None else retryable,
-                                      self.epoch, _now_ms()))
+                                      self.epoch, _now_ms(), worker=self.worker, lane=self.lane))
+
+    @property
+    def lane(self) -> str:
+        return self.entry.priority if self.entry else ""
 
     # ---- queue ----
 

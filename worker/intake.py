@@ -291,7 +291,7 @@ class Intake:
             await self._dead_letter_taken(entry_id, f"delivered {deliveries} times without finishing", raw,
                                           deliveries, "deliveries", rid, got, progress, entry)
             return
-        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, gw=got.gw)
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, gw=got.gw, worker=self.worker_id)
         # a continuation's first token is an earlier run's: TTFT counts from that one
         st.first_token_ms = next((int(e.get("ms") or 0) for e in history if e.get("k") == "tok"), 0)
         if got.att > 0 and st.gw:
@@ -421,7 +421,7 @@ class Intake:
     async def _ack_finished(self, rid: str, entry_id: str, entry: RequestEntry | None, *,
                             dead_letter: dict | None = None, key_id: str = "") -> None:
         """Its history already ends with a final: ack it (and release its concurrency lease)."""
-        st = InFlight.start(rid, entry_id, entry, Progress(finished=True), key_id=key_id)
+        st = InFlight.start(rid, entry_id, entry, Progress(finished=True), key_id=key_id, worker=self.worker_id)
         st.engine_done = st.final_written = True
         st.dead_letter = dead_letter
         self.table.requests[rid] = st
@@ -459,7 +459,7 @@ class Intake:
         if isinstance(got, Finished):
             await self._ack_finished(rid, entry_id, entry, dead_letter=fields, key_id=key_id)
             return
-        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, key_id=key_id)
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, key_id=key_id, worker=self.worker_id)
         st.dead_letter = fields
         if progress.finished:
             st.engine_done = st.final_written = True

@@ -28,15 +28,13 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
+from shared.slo_buckets import CANCEL_BUCKETS, GAP_BUCKETS, TTFT_BUCKETS, TTLT_BUCKETS
 from worker.events import InFlight
 from worker.telemetry import LANES, Telemetry
 
 log = logging.getLogger("worker.metrics")
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
@@ -45,7 +43,7 @@ COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 class WorkerMetrics:
     def __init__(self, *, sources: Callable[[], dict] | None = None):
         """`sources`: returns the live objects the scrape-time collector reads (`engine`, `stats`,
-        `writer_stats`, `redis_errors`, `kv_block_tokens`); None for a registry without them
+        `writer_stats`, `redis_errors`, `kv_block_tokens`, `max_batch`); None for a registry without them
         (the metric names alone, e.g. for dashboard checks)."""
         self.registry = r = CollectorRegistry()
         self.sources = sources
@@ -59,21 +57,24 @@ class WorkerMetrics:
                                        "carries prompt tokens) or decode (decode rows only)", ["kind"],
                                        buckets=STEP_BUCKETS, registry=r)
         self.queue_time = Histogram("worker_request_queue_time_seconds", "submitted (the gateway's XADD) -> first "
-                                    "scheduled in the engine", buckets=E2E_BUCKETS, registry=r)
+                                    "scheduled in the engine", buckets=TTFT_BUCKETS, registry=r)
         self.ttft = Histogram("worker_time_to_first_token_seconds", "submitted -> first token produced",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              buckets=TTFT_BUCKETS, registry=r)
         self.ttfmt = Histogram("worker_time_to_first_meaningful_token_seconds", "submitted -> first token with "
-                               "non-whitespace text", buckets=LATENCY_BUCKETS, registry=r)
+                               "non-whitespace text", buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("worker_e2e_request_latency_seconds", "submitted -> last token (time to last token)",
-                             buckets=E2E_BUCKETS, registry=r)
+                             buckets=TTLT_BUCKETS, registry=r)
         self.tpot = Histogram("worker_time_per_output_token_seconds", "per request: (last token - first token) / "
-                              "(tokens - 1)", buckets=TPOT_BUCKETS, registry=r)
+                              "(tokens - 1)", buckets=GAP_BUCKETS, registry=r)
         self.cancel_latency = Histogram("worker_cancel_latency_seconds", "cancel received by the worker -> the "
-                                        "request's KV blocks freed", buckets=LATENCY_BUCKETS, registry=r)
+                                        "request's KV blocks freed", buckets=CANCEL_BUCKETS, registry=r)
         self.commit_duration = Histogram("worker_output_commit_duration_seconds", "one output commit (history, live "
                                          "copies, acks)", buckets=COMMIT_BUCKETS, registry=r)
         self.commit_requests = Histogram("worker_output_commit_requests", "requests written by one output commit",
                                          buckets=BATCH_BUCKETS, registry=r)
+        for kind in ("prefill", "decode"):      # present from the start (dashboards: no "no data")
+            self.iteration_tokens.labels(kind)
+            self.step_duration.labels(kind)
         # counted here (from the batches pump() and request_finished() see), exported by the collector
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -185,6 +186,8 @@ class _ScrapeCollector:
         yield running
         yield waiting
         src = m.sources() if m.sources else {}
+        yield _gauge("worker_max_batch", "MAX_BATCH: requests the engine runs at once (slot occupancy = "
+                     "worker_num_requests_running / worker_max_batch)", float(src.get("max_batch") or 0))
         engine, stats = src.get("engine"), src.get("stats")
         writer_stats, errors = src.get("writer_stats") or {}, src.get("redis_errors") or {}
         block = max(1, int(src.get("kv_block_tokens") or 1))

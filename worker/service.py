@@ -64,7 +64,7 @@ class WorkerService:
         self.outputs_event = asyncio.Event()     # the engine has outputs to take
         self.metrics = metrics = WorkerMetrics(sources=lambda: {
             "engine": engine, "stats": stats, "writer_stats": self.writer.stats, "redis_errors": REDIS_ERRORS,
-            "kv_block_tokens": s.kv_block_size})
+            "kv_block_tokens": s.kv_block_size, "max_batch": s.max_batch})
         self.table = table = InFlightTable(engine, capacity=s.max_batch, queue_depth=s.worker_queue_depth,
                                            stats=stats, on_finished=metrics.request_finished)
         self.writer = writer = OutputWriter(self.redis.output, keys, s, worker_id, on_give_up=table.give_up,

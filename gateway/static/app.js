@@ -3,7 +3,7 @@
 // answer from its last seq on any replica — so a dropped connection never shows here.
 // Browsers cannot set headers on a WebSocket, so the SDK sends the API key (if any) in a first
 // {type: "auth"} message rather than in the URL, where it would land in access logs.
-import {StreamClient} from "/clients/js/llm-stream-client.js";
+import {StreamClient, Unauthorized} from "/clients/js/llm-stream-client.js";
 
 const $ = (id) => document.getElementById(id);
 const history = [];          // chat turns sent as `messages`
@@ -112,7 +112,15 @@ function stop() {
   }
 }
 
+// Connect at once, so the badge says "connected" before the first message (the SDK would
+// otherwise open the socket lazily, with the first generate); a changed API key reconnects.
+function connectNow() {
+  getClient().connect().catch((err) => setConn(err instanceof Unauthorized ? err.code : "disconnected"));
+}
+
 $("form").addEventListener("submit", send);
+$("apikey").addEventListener("change", connectNow);
+connectNow();
 $("stop").addEventListener("click", stop);
 $("prompt").addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("form").requestSubmit(); }
