@@ -64,6 +64,9 @@ class Settings(BaseSettings):
                             "GGUF's own values), bf16 activations; tokens differ from float32's at near ties. auto = "
                             "int4 for a Q4_1 GGUF (the default model) on a CPU with native bf16 and DTYPE=auto, "
                             "else none (docs/operations.md)")
+    int4_dense_rows: int = Field(-1, ge=-1, description="4-bit workers: products of this many rows or more (prefill "
+                                 "chunks, large batches) run on a dense copy of the weights; -1 = timed at start "
+                                 "on this CPU (docs/operations.md), 0 = never (no dense copy: less memory)")
     max_batch: int = Field(16, description="max requests in the running batch")
     worker_queue_depth: int = Field(16, description="requests a worker takes beyond its running batch, queued in "
                                                     "its engine so that admission follows priority lanes")
@@ -82,7 +85,8 @@ class Settings(BaseSettings):
                                                     "0 = 256 on CPU, 8192 on CUDA")
     lane_aging_steps: int = Field(256, description="a batch request that waited this many engine steps is served "
                                                    "as interactive (batch work always progresses)")
-    torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch default")
+    torch_threads: int = Field(0, description="torch intra-op threads; 0 = on CPU every usable core but one "
+                                              "(worker/engine/threads.py), on CUDA torch's default")
     shutdown_grace_s: float = Field(30.0, description="on SIGTERM a worker finishes running requests this long, then hands the rest back")
     max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")
     worker_flush_ms: int = Field(15, description="a request's new tokens are written to Redis at most this often "

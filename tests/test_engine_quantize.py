@@ -18,7 +18,7 @@ from shared.config import Settings
 from shared.streams import SamplingParams
 from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate, reference
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
-from worker.engine import quantize
+from worker.engine import cpu_kernels, quantize
 from worker.engine.config import settings_dtype, settings_quantization
 from worker.engine.quantize import (GROUP, Int4Linear, Int8SplitLinear, gguf_is_int4_exact, int4_linear,
                                     native_bf16_cpu, quantize_int4)
@@ -155,6 +155,61 @@ def test_a_q8_0_head_runs_8_bit_and_the_engine_equals_generate():
     assert type(model.lm_head) is Int8SplitLinear
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert_engine_equals_generate(model, 16, "llama-q8-head")
+
+
+def test_large_products_run_on_a_dense_copy_of_the_same_weights():
+    """Past the calibrated row count a product runs dense (prefill, large batches): the same
+    numbers as the 4-bit kernel multiplies by, so the two paths agree to rounding, and below it
+    nothing changes."""
+    generator = torch.Generator().manual_seed(6)
+    dense = torch.nn.Linear(96, 128, bias=True)
+    dense.weight.data = q4_1_weight(128, 96, generator)
+    linear = Int4Linear.quantize(dense)
+    small, large = torch.randn(3, 96, generator=generator).to(torch.bfloat16), \
+        torch.randn(40, 96, generator=generator).to(torch.bfloat16)
+    before_small, before_large = linear(small), linear(large)
+    linear.with_dense(8)
+    assert torch.equal(linear.dense.float(), dense.weight)          # Q4_1 values are exact in bf16 here
+    assert torch.equal(linear(small), before_small)                  # under 8 rows: the 4-bit kernel
+    after = linear(large)
+    assert torch.allclose(after.float(), before_large.float(), rtol=2e-2, atol=2e-2)
+    assert torch.allclose(after.float(), large.float() @ dense.weight.t() + dense.bias.to(torch.bfloat16).float(),
+                          rtol=2e-2, atol=2e-2)
+    linear.dense = torch.zeros_like(linear.dense)                    # which path ran: 8 rows and more read it
+    assert torch.equal(linear(large[:8]), linear.bias.expand(8, -1)) and torch.equal(linear(small), before_small)
+
+
+def test_the_crossover_is_where_dense_wins_from_there_on():
+    assert cpu_kernels.crossover({1: (1.0, 2.0), 8: (2.0, 1.5), 16: (4.0, 2.0), 64: (16.0, 5.0)}) == 8
+    assert cpu_kernels.crossover({1: (1.0, 0.5), 8: (2.0, 2.5), 16: (4.0, 2.0)}) == 16   # must hold above
+    assert cpu_kernels.crossover({1: (1.0, 2.0), 64: (16.0, 15.0)}) == 0                   # never by 10%
+
+
+def test_loading_times_the_models_own_projections_and_logs_the_choice(caplog):
+    """QUANTIZATION=int4 with INT4_DENSE_ROWS=-1 (the default): the crossover is measured on the
+    model's projections at start, logged with the CPU model, and applied to every layer."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(SHAPE, tie_word_embeddings=True))).eval()
+    generator = torch.Generator().manual_seed(7)
+    model.model.embed_tokens.weight.data = q8_0_weight(*model.model.embed_tokens.weight.shape, generator)
+    with caplog.at_level("INFO", logger="worker.engine.cpu_kernels"):
+        quantize_int4(model, torch.bfloat16, dense_rows=-1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("CPU kernels on ") and "4-bit/dense ms: 1: " in line for line in lines), lines
+    assert any("8-bit/dense ms: 1: " in line for line in lines), lines
+    rows = {m.dense_from_rows for m in model.modules() if isinstance(m, Int4Linear)}
+    assert len(rows) == 1 and rows.pop() in (0, *cpu_kernels.ROW_COUNTS)
+    assert all((m.dense is None) == (m.dense_from_rows == 0) for m in model.modules() if isinstance(m, Int4Linear))
+
+
+def test_a_dense_copy_fuses_with_the_projections_and_the_engine_equals_generate():
+    """The decoder fuses q/k/v and gate/up with their dense copies as it does the packed rows;
+    with fp32 activations the engine, stepping products of both sizes, equals generate."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    quantize_int4(model, torch.float32, dense_rows=4)
+    assert model.model.layers[0].mlp.up_proj.dense_from_rows == 4
+    assert_engine_equals_generate(model, 16, "llama-dense-4")
 
 
 def test_a_shape_the_kernel_cannot_pack_is_refused_and_nothing_changes():

@@ -85,8 +85,9 @@ def projection(linears: list[torch.nn.Module]):
         return linears[0]
     tensors = _fuse(linears)
     if isinstance(linears[0], Int4Linear):
-        packed, scales_zeros, bias = tensors
-        return lambda x: int4_linear(x, packed, scales_zeros, bias)
+        packed, scales_zeros, bias, dense = tensors
+        from_rows = linears[0].dense_from_rows
+        return lambda x: int4_linear(x, packed, scales_zeros, bias, dense, from_rows)
     weight, bias = tensors
     return lambda x: F.linear(x, weight, bias)
 

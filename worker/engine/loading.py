@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker.engine.config import resolve_device, settings_dtype, settings_quantization
 from worker.engine.quantize import quantize_int4
+from worker.engine.threads import apply_torch_threads
 from worker.engine.prompts import build_prompt_ids  # noqa: F401 (re-exported)
 from worker.model_files import resolve_model
 
@@ -22,10 +23,9 @@ def load_model(settings):
     (QUANTIZATION=int4, or auto where `settings_quantization` picks it) they are loaded in fp32,
     then the decoder layers' projections are quantized to 4 bits and the rest cast to bf16
     (quantize.py)."""
-    if settings.torch_threads > 0:
-        torch.set_num_threads(settings.torch_threads)
     directory, gguf_file = resolve_model(settings.model_path, settings.model_gguf_file)
     device = resolve_device(settings.device)
+    threads = apply_torch_threads(settings, device)
     dtype = settings_dtype(settings, device)
     int4 = settings_quantization(settings, device) == "int4"
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
@@ -33,9 +33,10 @@ def load_model(settings):
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32 if int4 else dtype, **kwargs)
     model.to(device)
     if int4:
-        quantize_int4(model, dtype)
+        quantize_int4(model, dtype, dense_rows=settings.int4_dense_rows)
     model.eval()
     model.requires_grad_(False)
-    log.info("model %s%s on %s: %s activations, %s projections", directory, f"/{gguf_file}" if gguf_file else "",
-             device, str(dtype).removeprefix("torch."), "4-bit" if int4 else "full-precision")
+    log.info("model %s%s on %s: %s activations, %s projections, %s head; %d torch threads", directory,
+             f"/{gguf_file}" if gguf_file else "", device, str(dtype).removeprefix("torch."),
+             "4-bit" if int4 else "full-precision", type(model.lm_head).__name__, threads)
     return model, tokenizer

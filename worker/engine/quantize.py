@@ -28,6 +28,12 @@ to 8 bits of mantissa; here only d is). A copy with one int8 scale per row inste
 float32's greedy answers on 7 of 12 chat prompts instead of 10: that is not what this does.
 The embedding lookup keeps its bf16 table (one row per token read).
 
+Large products (prefill chunks, big batches) are arithmetic, not bytes, and there the packed
+kernels lose to the CPU's dense ones: each packed layer keeps a dense copy of its own numbers
+(and the head borrows the tied embedding table) for products from a row count measured at start
+on this CPU (`INT4_DENSE_ROWS`, cpu_kernels.py): 2x faster prefill on an EPYC without AMX, at
+the cost of the dense copy's memory (214 MB for SmolLM2).
+
 Exactness: the kernel computes each output row from that input row alone (the same bits whatever
 else is in the batch), and weights are packed in independent blocks of 64 output rows, so a
 fused q/k/v projection is the separate ones' packed rows side by side and gives the same bits
@@ -42,6 +48,9 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+
+from worker.engine import cpu_kernels
 
 GROUP = 32                    # input features per scale/offset (llama.cpp's Q4 block size)
 PACK_ROWS = 64                # the CPU packing's block of output rows (independent of the others)
@@ -60,7 +69,7 @@ class Int4Linear(torch.nn.Module):
     of q [out, in]) and `scales_zeros` [in / GROUP, out, 2], where w = (q - 8) * scale + zero."""
 
     # tensors and the axis their output rows lie on: a fused projection concatenates them there
-    ROW_AXES = (("packed", 0), ("scales_zeros", 1), ("bias", 0))
+    ROW_AXES = (("packed", 0), ("scales_zeros", 1), ("bias", 0), ("dense", 0))
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
                  in_features: int):
@@ -68,6 +77,9 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
         self.register_buffer("bias", bias)
+        # the same weights dense (`with_dense`), for products of `dense_from_rows` rows or more
+        self.register_buffer("dense", None)
+        self.dense_from_rows = 0
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
 
     @classmethod
@@ -90,19 +102,35 @@ class Int4Linear(torch.nn.Module):
         return cls(packed, scales_zeros, bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self.packed, self.scales_zeros, self.bias)
+        return int4_linear(x, self.packed, self.scales_zeros, self.bias, self.dense, self.dense_from_rows)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights the kernel multiplies by, [out, in] in the activations' dtype (read back
+        through the kernel itself, so they are its numbers)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
+        return int4_linear(eye, self.packed, self.scales_zeros).t().contiguous()
+
+    def with_dense(self, from_rows: int) -> None:
+        """Keep a dense copy of the weights and multiply products of `from_rows` rows or more by
+        it (the 4-bit kernel below that): see cpu_kernels.py."""
+        self.dense, self.dense_from_rows = self.dequantized(), from_rows
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        dense = f", dense from {self.dense_from_rows} rows" if self.dense is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{dense}"
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for x [..., in] in the scales' dtype, w as `Int4Linear` stores it. The
-    decoder's activations are already a contiguous [T, in]: they go to the kernel with no
-    reshape or view around it (each is a dispatch, and a 1-row decode step runs 4 projections
-    a layer)."""
+                bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                dense_from_rows: int = 0) -> torch.Tensor:
+    """x @ w.T (+ bias) for x [..., in] in the scales' dtype, w as `Int4Linear` stores it (or,
+    for `dense_from_rows` rows or more, its `dense` copy of the same numbers). The decoder's
+    activations are already a contiguous [T, in]: they go to the kernel with no reshape or view
+    around it (each is a dispatch, and a 1-row decode step runs 4 projections a layer)."""
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if dense is not None and flat.shape[0] >= dense_from_rows:
+        out = F.linear(flat, dense, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], dense.shape[0])
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if not scales_zeros.is_contiguous():
@@ -150,16 +178,31 @@ class Int8SplitLinear(torch.nn.Module):
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
         return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros, in_features)
 
+    # a dense [out, in] weight for products of `dense_from_rows` rows or more (`with_dense`):
+    # a plain attribute, not a buffer, since it is the tied embedding table's own tensor
+    dense: torch.Tensor | None = None
+    dense_from_rows = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        out = int4_linear(torch.cat([flat, flat], -1), self.packed, self.scales_zeros)
+        if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
+            out = F.linear(flat, self.dense)
+        else:
+            out = int4_linear(torch.cat([flat, flat], -1), self.packed, self.scales_zeros)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
+    def with_dense(self, weight: torch.Tensor, from_rows: int) -> None:
+        """Products of `from_rows` rows or more (a batched decode step's logits) multiply by the
+        dense `weight` (the embedding table the head is tied to: no second copy): the 8-bit
+        planes are the fast way for a few rows only, as the 4-bit projections."""
+        self.dense, self.dense_from_rows = weight, from_rows
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, 8-bit groups of {GROUP}"
+        dense = f", dense from {self.dense_from_rows} rows" if self.dense is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, 8-bit groups of {GROUP}{dense}"
 
 
-def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE) -> None:
+def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0) -> None:
     """In place: every linear projection of the decoder layers becomes an `Int4Linear`, quantized
     from the weights as loaded (load in float32: then a Q4 GGUF's own values are recovered);
     a Q8_0 LM head becomes an `Int8SplitLinear`; every other floating parameter (embeddings,
@@ -173,15 +216,35 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE) -> None:
     quantized = [Int4Linear.quantize(child, dtype) for _, _, child in targets]   # all or nothing
     for (parent, name, _), linear in zip(targets, quantized):
         setattr(parent, name, linear)
+    # dense copies for large products (prefill chunks, big batches): from a row count timed here
+    # on the model's own projections, or given (cpu_kernels.py); the tied 8-bit head the same way
+    head_rows = dense_rows
+    if dense_rows != 0:
+        for linear in quantized:
+            linear.with_dense(max(dense_rows, 1))
+    if dense_rows < 0:
+        dense_rows = cpu_kernels.calibrate_projections(quantized, dtype)
+    if dense_rows == 0:
+        for linear in quantized:
+            linear.dense, linear.dense_from_rows = None, 0
+    else:
+        for linear in quantized:
+            linear.dense_from_rows = dense_rows
     head = getattr(model, "lm_head", None)
     if type(head) is torch.nn.Linear and head.bias is None:
         # a Q8_0 head (SmolLM2's tied embeddings) keeps its 8 bits; any other stays dense in `dtype`
         split = Int8SplitLinear.from_q8_0(head.weight, dtype)
         if split is not None:
             model.lm_head = split
+            if head.weight is not model.get_input_embeddings().weight:
+                head_rows = 0        # an untied head: no dense table to borrow
+            elif head_rows < 0:
+                head_rows = cpu_kernels.calibrate_head(split, head.weight.detach().to(dtype), quantized, dtype)
     for param in model.parameters():
         if param.is_floating_point():
             param.data = param.data.to(dtype)
+    if isinstance(model.lm_head, Int8SplitLinear) and head_rows > 0:
+        model.lm_head.with_dense(model.get_input_embeddings().weight.detach(), head_rows)
 
 
 def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:

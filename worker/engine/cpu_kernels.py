@@ -1,0 +1,123 @@
+"""Which kernel runs a 4-bit model's products on this CPU, by their size: measured at start.
+
+A decode step of a few rows is bound by the bytes of weights it reads, and there the packed
+kernels win (4-bit projections, the 8-bit head: a quarter and half of bf16's bytes). Past a few
+rows a product is arithmetic, and they lose: they unpack every weight for every row, where the
+CPU's own dense kernels (oneDNN: AVX-512 BF16, AMX) stream a dense copy. On a 2-core EPYC
+without AMX (1 thread, bf16) the whole model's projections took 1.4x as long packed as dense at
+16 rows and 2.3x at 256 (a prefill chunk); where the crossover lies depends on the CPU (AMX
+moves it down, an AVX2-only CPU with emulated bf16 may never cross), on the threads and on the
+cache, so it is not assumed: `calibrate_projections` times the model's own projections, every
+one once per run (more bytes than any last-level cache, as a real step reads them), and
+`calibrate_head` the head between such passes. Each logs what it measured and chose, with the
+CPU model: bench/RESULTS.md records those lines with the speeds they gave.
+
+Exactness: the dense copy holds the numbers the packed kernel multiplies by (read back through
+it), so both compute the same products and differ in rounding only; a row's result depends on
+the size of the product it is in (as on every batched GPU engine), which may move a token at an
+exact tie between, say, a chunked prefill and `generate`'s one pass (tests/test_engine_smollm2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)   # decode rows .. a large batch; a prefill chunk (256) is past the last
+WIN = 0.9                                # dense must take at most this share of the packed kernel's time
+
+
+def crossover(timings: dict[int, tuple[float, float]]) -> int:
+    """The smallest row count at which dense wins (by WIN) there and at every larger count
+    timed, from {rows: (packed ms, dense ms)}; 0 if it does not win at the largest."""
+    from_rows = 0
+    for rows in sorted(timings, reverse=True):
+        packed_ms, dense_ms = timings[rows]
+        if dense_ms > WIN * packed_ms:
+            break
+        from_rows = rows
+    return from_rows
+
+
+def _best(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    """Milliseconds of `fn`, the best of `repeats` runs (after one untimed), `before` run untimed
+    ahead of each (e.g. to push the weights out of the cache)."""
+    times = []
+    for i in range(repeats + 1):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - t)
+    return 1000 * min(times)
+
+
+def calibrate_projections(linears: list, dtype: torch.dtype, repeats: int = 2,
+                          row_counts: tuple[int, ...] = ROW_COUNTS) -> int:
+    """The row count from which the model's projections (`Int4Linear`s that hold their `dense`
+    copies) should run dense: every projection once per timed run, packed vs dense."""
+    from worker.engine.quantize import int4_linear
+    generator = torch.Generator().manual_seed(0)
+    timings: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for rows in row_counts:
+            xs = {n: torch.randn(rows, n, generator=generator).to(dtype) for n in {q.in_features for q in linears}}
+            packed = lambda: [int4_linear(xs[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731
+            dense = lambda: [F.linear(xs[q.in_features], q.dense) for q in linears]  # noqa: E731
+            timings[rows] = (_best(packed, repeats), _best(dense, repeats))
+    chosen = crossover(timings)
+    log.info("CPU kernels on %s, %d threads: %s (the model's %d projections, rows: 4-bit/dense ms: %s)",
+             cpu_model(), torch.get_num_threads(),
+             f"dense from {chosen} rows, 4-bit below" if chosen else "4-bit at every size", len(linears),
+             _shown(timings))
+    return chosen
+
+
+def calibrate_head(head, dense_weight: torch.Tensor, linears: list, dtype: torch.dtype, repeats: int = 2,
+                   row_counts: tuple[int, ...] = ROW_COUNTS) -> int:
+    """The row count from which an 8-bit head (`Int8SplitLinear`) should multiply by the dense
+    table instead, each timed run after a pass over the model's projections (which evicts the
+    head from the cache, as a decode step does)."""
+    from worker.engine.quantize import int4_linear
+    generator = torch.Generator().manual_seed(1)
+    one = {n: torch.randn(1, n, generator=generator).to(dtype) for n in {q.in_features for q in linears}}
+    evict = lambda: [int4_linear(one[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731
+    timings: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for rows in row_counts:
+            x = torch.randn(rows, head.in_features, generator=generator).to(dtype)
+            timings[rows] = (_best(lambda: head(x), repeats, evict),
+                             _best(lambda: F.linear(x, dense_weight), repeats, evict))
+    chosen = crossover(timings)
+    log.info("CPU kernels: %s (rows: 8-bit/dense ms: %s)",
+             f"a dense head from {chosen} rows, 8-bit below" if chosen else "the 8-bit head at every size",
+             _shown(timings))
+    return chosen
+
+
+def _shown(timings: dict[int, tuple[float, float]]) -> str:
+    return ", ".join(f"{rows}: {a:.2f}/{b:.2f}" for rows, (a, b) in timings.items())
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name and the flags that choose its kernels, for logs and bench rows."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return "unknown CPU"
+    name, flags = "unknown CPU", set()
+    for line in text.splitlines():
+        if line.startswith("model name") and name == "unknown CPU":
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    kinds = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name} [{' '.join(kinds) or 'no AVX2'}]"
