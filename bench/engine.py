@@ -127,9 +127,11 @@ def make_workload(kind: str, tok, args) -> list[Req]:
     if kind == "uniform":
         return [Req(i, 0.0, chats[i % len(chats)], args.uniform_tokens) for i in range(args.uniform_requests)]
     if kind.startswith("fixed"):  # fixed@C: C requests of exactly --fixed-prompt prompt tokens
+        # each distinct from its first token, so no prefix cache (ours, llama.cpp's) serves any
+        # of it: both sides compute every prompt, whatever their cache policy
         base = tok(CONTEXT * 8, add_special_tokens=False)["input_ids"]
-        return [Req(i, 0.0, (base[i % 7:] + base)[: args.fixed_prompt], args.fixed_tokens)
-                for i in range(int(kind.split("@")[1]))]
+        return [Req(i, 0.0, (tok(f"Request {i}: ", add_special_tokens=False)["input_ids"] + base)[: args.fixed_prompt],
+                    args.fixed_tokens) for i in range(int(kind.split("@")[1]))]
     reqs, t = [], 0.0
     for i in range(args.mixed_requests):
         if i:
@@ -257,6 +259,7 @@ def prepare_engine(model, tok, reqs, args):
     max_len = max(len(r.prompt) + r.n for r in reqs)
     engine = Engine(model, tok, EngineConfig(max_batch=_batch(reqs, args), max_seq_len=max_len,
                                              prefill_chunk=args.prefill_chunk or default_prefill_chunk(model.device.type),
+                                             prefix_caching=args.prefix_cache == "on",
                                              device=str(model.device.type),
                                              dtype=model.dtype))
 
@@ -302,7 +305,8 @@ def prepare_llamacpp(model, tok, reqs, args):
     def one(r: Req, t0: float):
         _wait_until(t0 + r.arrival)
         sampling = SAMPLING[args.sampling]
-        body = {"prompt": r.prompt, "n_predict": r.n, "ignore_eos": True, "stream": True, "cache_prompt": False,
+        body = {"prompt": r.prompt, "n_predict": r.n, "ignore_eos": True, "stream": True,
+                "cache_prompt": args.prefix_cache == "on",      # the engine's policy (--prefix-cache)
                 **({"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]} if sampling["temperature"] == 0 else
                    {**sampling, "samplers": ["top_k", "top_p", "temperature"]})}
         for event in llamacpp_events(url, body):
@@ -400,6 +404,9 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="", help="with --random-weights: a saved tokenizer directory "
                                                     "instead of SmolLM2's GGUF")
     ap.add_argument("--llamacpp-url", default="", help="a running llama-server for the llamacpp method")
+    ap.add_argument("--prefix-cache", default="on", choices=["on", "off"],
+                    help="the engine's prefix cache and llama.cpp's cache_prompt alike (the same policy on both "
+                         "sides; the fixed workload's prompts are distinct anyway)")
     ap.add_argument("--concurrency", default="1,16,64,256", help="fixed workload: requests at once (= max_batch)")
     ap.add_argument("--fixed-prompt", type=int, default=128)
     ap.add_argument("--fixed-tokens", type=int, default=128)

@@ -170,7 +170,9 @@ async def ws_run(ws_url: str, texts: list[str], concurrency: int, output: int) -
 
 
 def guidellm_run(target: str, profile: str, count: int, prompt: int, output: int, tok_dir: str,
-                 work: Path) -> dict:
+                 work: Path, seed: int) -> dict:
+    """guidellm's own run and figures; `seed` gives each run prompts no target has seen (llama.cpp
+    keeps a slot's last prompt cached, as the stack's prefix cache would)."""
     streams = PROFILES[profile]
     kind = "kind=synchronous" if streams == 1 else f"kind=concurrent,streams={streams}"
     report = work / f"guidellm-{abs(hash((target, profile, time.time())))}.json"
@@ -179,7 +181,7 @@ def guidellm_run(target: str, profile: str, count: int, prompt: int, output: int
            "--constraint", f"kind=max_requests,count={count}",
            "--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}",
            "--tokenizer", f"kind=huggingface_auto,model={tok_dir}", "--output", f"kind=json,path={report}",
-           "--disable-console"]
+           "--seed", f"kind=static,value={seed}", "--disable-console"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -254,7 +256,7 @@ def main() -> None:
     ap.add_argument("--url", default="", help="a running gateway (http://host:port) instead of starting the stack")
     ap.add_argument("--llamacpp-url", default="", help="a running llama-server for the llamacpp target")
     ap.add_argument("--worker-env", action="append", default=[], help="K=V for the started worker (repeatable)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="0: a fresh random seed (recorded in the JSON)")
     ap.add_argument("--name", default="serving")
     args = ap.parse_args()
     targets = [t for t in args.targets.split(",") if t != "llamacpp" or args.llamacpp_url]
@@ -275,13 +277,16 @@ def main() -> None:
     if "engine" in targets:
         settings = Settings(**{k.lower(): v for k, v in worker_env.items()})
         engine = EngineTarget(settings, max_batch=max(PROFILES[p] for p in args.profiles.split(",")))
+    # prompts no target has seen, in any run (a llama.cpp server left running keeps its slots'
+    # last prompts cached across runs; the stack started here has a fresh cache)
+    run_seed = args.seed or random.SystemRandom().randrange(1, 1 << 30)
     rows = []
     try:
         for p_i, profile in enumerate(args.profiles.split(",")):
             streams = PROFILES[profile]
             count = args.requests or (6 if streams == 1 else 4 * streams)
             for target in targets:       # interleaved: the box's noise falls on every target alike
-                seed = args.seed * 1000 + p_i * 10 + len(rows)
+                seed = run_seed + p_i * 10 + len(rows)
                 t0 = time.perf_counter()
                 if target == "engine":
                     texts = prompt_texts(engine.tok, count, args.prompt_tokens, seed)
@@ -295,7 +300,7 @@ def main() -> None:
                     url = base if target == "openai" else args.llamacpp_url.rstrip("/")
                     row = {"target": target, "profile": profile,
                            **guidellm_run(url, profile, count, args.prompt_tokens, args.output_tokens,
-                                          str(tok_dir), work)}
+                                          str(tok_dir), work, seed=run_seed + len(rows))}
                 row["wall_s"] = round(time.perf_counter() - t0, 1)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -315,7 +320,7 @@ def main() -> None:
     print(f"CPU: {cpu}, {os.cpu_count()} cores; engine torch threads: {threads}; worker env: {worker_env or 'defaults'}")
     print(table(rows, ["target", "profile", "requests", "errors", "out_tok_s", "x_engine_tok_s", "x_llamacpp_tok_s",
                        "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "wall_s"]))
-    path = write_json(args.name, {"cpu": cpu, "engine_threads": threads, "worker_env": worker_env,
+    path = write_json(args.name, {"cpu": cpu, "engine_threads": threads, "worker_env": worker_env, "seed": run_seed,
                                   "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                                   "rows": rows})
     print(f"wrote {path}")

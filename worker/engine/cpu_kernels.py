@@ -60,11 +60,11 @@ def _best(fn: Callable[[], object], repeats: int, before: Callable[[], object] |
     return 1000 * min(times)
 
 
-def calibrate_projections(linears: list, dtype: torch.dtype, repeats: int = 2,
+def calibrate_projections(linears: list, int4_linear: Callable, dtype: torch.dtype, repeats: int = 2,
                           row_counts: tuple[int, ...] = ROW_COUNTS) -> int:
     """The row count from which the model's projections (`Int4Linear`s that hold their `dense`
-    copies) should run dense: every projection once per timed run, packed vs dense."""
-    from worker.engine.quantize import int4_linear
+    copies) should run dense: every projection once per timed run, packed (`int4_linear`, the
+    quantize module's product) vs dense."""
     generator = torch.Generator().manual_seed(0)
     timings: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
@@ -81,12 +81,11 @@ def calibrate_projections(linears: list, dtype: torch.dtype, repeats: int = 2,
     return chosen
 
 
-def calibrate_head(head, dense_weight: torch.Tensor, linears: list, dtype: torch.dtype, repeats: int = 2,
-                   row_counts: tuple[int, ...] = ROW_COUNTS) -> int:
+def calibrate_head(head, dense_weight: torch.Tensor, linears: list, int4_linear: Callable, dtype: torch.dtype,
+                   repeats: int = 2, row_counts: tuple[int, ...] = ROW_COUNTS) -> int:
     """The row count from which an 8-bit head (`Int8SplitLinear`) should multiply by the dense
     table instead, each timed run after a pass over the model's projections (which evicts the
     head from the cache, as a decode step does)."""
-    from worker.engine.quantize import int4_linear
     generator = torch.Generator().manual_seed(1)
     one = {n: torch.randn(1, n, generator=generator).to(dtype) for n in {q.in_features for q in linears}}
     evict = lambda: [int4_linear(one[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731

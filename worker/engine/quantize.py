@@ -223,7 +223,7 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0) -
         for linear in quantized:
             linear.with_dense(max(dense_rows, 1))
     if dense_rows < 0:
-        dense_rows = cpu_kernels.calibrate_projections(quantized, dtype)
+        dense_rows = cpu_kernels.calibrate_projections(quantized, int4_linear, dtype)
     if dense_rows == 0:
         for linear in quantized:
             linear.dense, linear.dense_from_rows = None, 0
@@ -239,7 +239,8 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0) -
             if head.weight is not model.get_input_embeddings().weight:
                 head_rows = 0        # an untied head: no dense table to borrow
             elif head_rows < 0:
-                head_rows = cpu_kernels.calibrate_head(split, head.weight.detach().to(dtype), quantized, dtype)
+                head_rows = cpu_kernels.calibrate_head(split, head.weight.detach().to(dtype), quantized,
+                                                       int4_linear, dtype)
     for param in model.parameters():
         if param.is_floating_point():
             param.data = param.data.to(dtype)
