@@ -105,26 +105,26 @@ def tokenize_fields(body: TokenizeCompletionBody | TokenizeChatBody, max_prompt_
 
 async def ask_worker(hub: Hub, kind: str, fields: dict) -> dict:
     """One request/reply with a live worker (this module's docstring); its answer, or APIError."""
-    workers = await hub.router.live()
-    ready = [w for w in workers if w.state == "ready"] or workers
-    if not ready:
-        raise APIError.from_code(ErrorCode.OVERLOADED, "no worker is alive to tokenize with; retry shortly")
     reply_id = "tok-" + secrets.token_hex(16)
     replied: asyncio.Future = asyncio.get_running_loop().create_future()
     sub = hub.reader.subscribe(reply_id, lambda ev: replied.done() or replied.set_result(ev))
     try:
+        workers = await hub.router.live()
+        ready = [w for w in workers if w.state == "ready"] or workers
         entry = encode_tokenize(kind, reply_id, hub.gw_id, fields)
+        # the snapshot may list a worker that has left since: then the next one
         for worker in random.sample(ready, min(3, len(ready))):
             if await hub.submitter.to_registered_worker(worker.worker_id, entry):
                 break
         else:
             raise APIError.from_code(ErrorCode.OVERLOADED, "no worker is alive to tokenize with; retry shortly")
-        async with asyncio.timeout(REPLY_TIMEOUT_S):
-            answer = await replied
-    except TimeoutError:
-        raise APIError.from_code(ErrorCode.STALLED, f"worker {worker.worker_id} did not answer within "
-                                                    f"{REPLY_TIMEOUT_S:g} s; retry") from None
-    except (RedisError, OSError):
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                answer = await replied
+        except TimeoutError:
+            raise APIError.from_code(ErrorCode.STALLED, f"worker {worker.worker_id} did not answer within "
+                                                        f"{REPLY_TIMEOUT_S:g} s; retry") from None
+    except (RedisError, OSError, TimeoutError):
         raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
     finally:
         hub.reader.unsubscribe(sub)
