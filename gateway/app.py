@@ -17,7 +17,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from gateway.auth import bearer_token
-from gateway import openai_api
+from gateway import openai_api, tokenize_api
 from gateway.hub import Hub
 from gateway.settings import GatewaySettings
 from gateway.socket_io import (
@@ -138,6 +138,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         routes=[
             WebSocketRoute("/v1/stream", stream),
             *openai_api.ROUTES,
+            *tokenize_api.ROUTES,
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/health", health),

@@ -49,6 +49,21 @@ class AlreadyStarted(Exception):
         self.rid = rid
 
 
+def check_prompt_chars(msg: Generate, limit: int) -> None:
+    """MAX_PROMPT_CHARS: the prompt's text (all messages together)."""
+    if msg.prompt_chars() > limit:
+        raise ProtocolError(ErrorCode.PROMPT_TOO_LARGE, f"prompt of {msg.prompt_chars()} characters exceeds {limit}",
+                            msg.id)
+
+
+def entry_prompt(msg: Generate) -> tuple[str | None, list[dict] | None, list[dict] | None]:
+    """(prompt, messages, tools) as the request entry carries them to the worker's prompt
+    building; a /tokenize request sends the same, so it gets the ids a generate would run."""
+    messages = [m.model_dump(exclude_none=True) for m in msg.messages] if msg.messages is not None else None
+    tools = [t.model_dump(exclude_none=True) for t in msg.tools] if msg.tools and msg.tool_choice != "none" else None
+    return msg.prompt, messages, tools
+
+
 class RequestStarter:
     def __init__(self, settings: GatewaySettings, admission: Admission, submitter: Submitter, bookkeeper: Bookkeeper,
                  gw_id: str, router: Router):
@@ -64,9 +79,7 @@ class RequestStarter:
         """`rid`: the server id to use (the HTTP API names its response after it); a new 128-bit
         one by default."""
         s, cid = self.s, msg.id
-        if msg.prompt_chars() > s.max_prompt_chars:
-            raise ProtocolError(ErrorCode.PROMPT_TOO_LARGE,
-                                f"prompt of {msg.prompt_chars()} characters exceeds {s.max_prompt_chars}", cid)
+        check_prompt_chars(msg, s.max_prompt_chars)
         max_tokens = msg.max_tokens if msg.max_tokens is not None else min(s.default_max_tokens, s.max_tokens_cap)
         if max_tokens > s.max_tokens_cap:
             raise ProtocolError(ErrorCode.MAX_TOKENS_TOO_LARGE,
@@ -89,7 +102,7 @@ class RequestStarter:
             raise
         rid = rid or secrets.token_hex(16)       # 128 random bits: the secret a `resume` must present
         req = requests.open(cid, rid, key_id)    # subscribed before it is queued
-        messages = [m.model_dump(exclude_none=True) for m in msg.messages] if msg.messages is not None else None
+        prompt, messages, tools = entry_prompt(msg)
         entry = RequestEntry(
             rid=rid,
             params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
@@ -97,11 +110,11 @@ class RequestStarter:
                                   grammar=grammar_for(msg.response_format, msg.tools, msg.tool_choice),
                                   logprobs=(msg.top_logprobs or 0) if msg.logprobs else None,
                                   ignore_eos=msg.ignore_eos),
-            prompt=msg.prompt,
+            prompt=prompt,
             messages=messages,
-            tools=[t.model_dump(exclude_none=True) for t in msg.tools] if msg.tools and msg.tool_choice != "none" else None,
+            tools=tools,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,
-            route=self.router.pick(msg.prompt_cache_key, msg.prompt, messages),
+            route=self.router.pick(msg.prompt_cache_key, prompt, messages),
         )
         # leases of this key that ended here but are still queued for release go first
         release = self.bookkeeper.take_releases(key_id)

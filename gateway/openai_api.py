@@ -31,7 +31,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from redis.exceptions import RedisError
@@ -127,6 +127,9 @@ IGNORED: dict[str, str] = {
     "parallel_tool_calls": "the calls the model writes are all returned; a forced call is one call",
     "prediction": "predicted output only speeds OpenAI up; the answer is the same",
 }
+
+
+B = TypeVar("B", bound=BaseModel)
 
 
 class _Body(BaseModel):
@@ -277,22 +280,33 @@ def _chat_messages(raw: list[dict]) -> list[dict]:
     return out
 
 
-def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
-    """JSON body -> (validated OpenAI body, the protocol's `generate` fields)."""
+def json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object."""
     try:
         data = json.loads(raw or b"null")
     except ValueError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def validated(kind: type[B], data: dict) -> B:
+    """`data` as a `kind` body; a 400 naming the first field that is wrong (an unknown one:
+    `unsupported_parameter`)."""
     try:
-        body = (ChatBody if chat else CompletionBody).model_validate(data)
+        return kind.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             raise _unsupported(param, "is not a recognized or supported parameter") from None
         raise APIError(400, f"{param}: {err['msg']}", param=param) from None
+
+
+def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
+    """JSON body -> (validated OpenAI body, the protocol's `generate` fields)."""
+    body = validated(ChatBody if chat else CompletionBody, json_object(raw))
     _check_common(body)
     fields: dict[str, Any] = structured.structured_fields(body, APIError)
     if isinstance(body, ChatBody):

@@ -27,6 +27,13 @@ class Router:
         self.workers = await live_workers(self.redis, self.keys, self.worker_ttl_s)
         self.refreshed_at = time.monotonic()
 
+    async def live(self) -> list[WorkerInfo]:
+        """The live workers, from a snapshot at most REFRESH_S old (read now when older, as it
+        is with routing off, or when it holds none: a worker may have started since)."""
+        if not self.workers or time.monotonic() - self.refreshed_at >= REFRESH_S:
+            await self.refresh()
+        return self.workers
+
     def due(self, now: float) -> bool:
         return self.enabled and now - self.refreshed_at >= REFRESH_S
 

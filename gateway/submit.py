@@ -66,6 +66,16 @@ return 'ok'
 """
 
 
+# KEYS: a worker's registry hash, its control stream (slot {w:id}). ARGV: entry, maxlen. XADDs
+# the entry only while the worker is registered, so no control stream is made again for a
+# worker that has left (deregistering deletes both keys in one DEL). Returns 1 if added, else 0.
+CTL_IF_REGISTERED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'd', ARGV[1])
+return 1
+"""
+
+
 class Submitter:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gw_id: str, *, request_maxlen: int, output_ttl_s: int,
                  concurrency: int, rate_per_min: int, lease_s: float):
@@ -238,6 +248,11 @@ class Submitter:
         await self.redis.xadd(self.keys.ctl(owner),
                               {ENTRY_FIELD: encode_attach(rid, self.gw_id, att)},
                               maxlen=CTL_MAXLEN, approximate=True)
+
+    async def to_registered_worker(self, worker_id: str, entry: bytes) -> bool:
+        """A control entry for a worker that is still registered (False: it is not)."""
+        return bool(await self.redis.eval(CTL_IF_REGISTERED, 2, self.keys.worker(worker_id), self.keys.ctl(worker_id),
+                                          entry, CTL_MAXLEN))
 
     async def owner(self, rid: str) -> str | None:
         owner = await self.redis.hget(self.keys.meta(rid), META_OWNER)

@@ -15,7 +15,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
 | p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
 | p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies)            |
-| p:{w:<worker>}:ctl       | stream | {w:id}  | control for one worker: cancel / attach / take (routing)    |
+| p:{w:<worker>}:ctl       | stream | {w:id}  | control for one worker: cancel / attach / take / tokenize   |
 | p:{w:<worker>}:info      | hash   | {w:id}  | a worker's registry details (TTL worker_ttl_s)              |
 | p:{reg}:workers          | zset   | {reg}   | worker id -> last heartbeat ms                              |
 | p:{reg}:gateways         | zset   | {reg}   | gateway id -> last heartbeat ms                             |
@@ -220,7 +220,9 @@ _ENTRY_FIELDS = {f for f in RequestEntry.__dataclass_fields__ if f != "params"}
 # Attach marker (inbox only): {"v":2,"k":"att","rid","seq":S|None,"ep","att"}: rid's live events
 #               come to this inbox from now on; everything <= S is in the history (None: this
 #               worker does not hold rid, read the history to its end).
-OutKind = Literal["tok", "done", "err", "att"]
+# Tokenize reply (inbox only): {"v":2,"k":"tokr","rid":<reply id>, ...}: the answer to a
+#               `tokenize` / `detokenize` control entry (worker.tokenization.answer's fields).
+OutKind = Literal["tok", "done", "err", "att", "tokr"]
 FINAL_KINDS = ("done", "err")
 
 
@@ -319,6 +321,20 @@ def encode_take(rid: str, entry_id: str, deliveries: int) -> bytes:
 def encode_attach(rid: str, gw: str, att: int) -> bytes:
     """Resume: "send rid's live events to gateway `gw` from now on, after an att marker"."""
     return _pack({"v": EVENT_VERSION, "k": "attach", "rid": rid, "gw": gw, "att": att})
+
+
+TOKENIZE_KINDS = ("tokenize", "detokenize")
+
+
+def encode_tokenize(kind: Literal["tokenize", "detokenize"], reply_id: str, gw: str, fields: dict) -> bytes:
+    """vLLM's /tokenize or /detokenize, for a worker's tokenizer (worker.tokenization): `fields`
+    are a prompt or messages (+ tools and options), or `tokens`; the answer goes to gateway
+    `gw`'s inbox as a `tokr` event for `reply_id`."""
+    return _pack({"v": EVENT_VERSION, "k": kind, "rid": reply_id, "gw": gw, **fields})
+
+
+def encode_tokenize_reply(reply_id: str, answer: dict) -> bytes:
+    return _pack({"v": EVENT_VERSION, "k": "tokr", "rid": reply_id, **answer})
 
 
 def as_str(value: Any) -> str:

@@ -20,6 +20,7 @@ import pytest
 from shared.streams import RequestEntry, SamplingParams
 from tests.gateway_client import eventually
 from tests.stack_fixtures import pid_alive
+from worker.engine import build_prompt_ids
 from worker.engine_process import EngineProcess, EngineStartFailed
 from worker.engine_client import Add, Cancel
 from worker.engine_thread import EngineThread
@@ -135,6 +136,45 @@ async def test_a_dead_engine_process_is_seen(engine_process):
     os.kill(proc.pid, signal.SIGKILL)
     await asyncio.wait_for(woke.wait(), 5)
     assert not proc.is_alive()
+
+
+def synthetic_with_tokenizer(model_dir: str) -> SyntheticEngine:
+    """A synthetic engine holding a real tokenizer (the tiny model's: SmolLM2's)."""
+    from transformers import AutoTokenizer
+    engine = SyntheticEngine(max_batch=2, step_ms=1.0)
+    engine.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return engine
+
+
+async def test_tokenize_requests_get_the_same_answers_from_the_process_and_the_thread(engine_process, tiny_model_dir,
+                                                                                       tokenizer):
+    """EngineClient.tokenize (worker.tokenization.answer on a thread beside the engine's) while
+    the engine runs a request, in the child and in a thread; a dead child answers with an error."""
+    import msgpack
+    build = functools.partial(synthetic_with_tokenizer, str(tiny_model_dir))
+    proc = engine_process(build)
+    proc.start(lambda: None)
+    thread = EngineThread(build(), max_prompt_tokens=100, buffer_max=4096)
+    thread.start(lambda: None)
+    ids = tokenizer("Hello there", add_special_tokens=True)["input_ids"]
+    requests = [{"k": "tokenize", "prompt": "Hello there", "return_token_strs": True},
+                {"k": "tokenize", "messages": [{"role": "user", "content": "Hi"}]},
+                {"k": "detokenize", "tokens": ids},
+                {"k": "detokenize", "tokens": [len(tokenizer)]}]
+    try:
+        for engine in (proc, thread):
+            engine.submit(add("busy", 100_000))
+        answers = [msgpack.unpackb(msgpack.packb(await proc.tokenize(r))) for r in requests]   # tuples -> lists
+        assert answers == [await thread.tokenize(r) for r in requests]
+    finally:
+        thread.stop()
+    assert answers[0] == {"tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids), "max_model_len": 0}
+    assert answers[1]["tokens"] == build_prompt_ids(tokenizer, None, [{"role": "user", "content": "Hi"}])
+    assert answers[2] == {"prompt": "Hello there"}
+    assert answers[3]["error"]["param"] == "tokens"
+    os.kill(proc.pid, signal.SIGKILL)
+    await eventually(lambda: not proc.is_alive(), timeout=5)
+    assert (await proc.tokenize(requests[0]))["error"]["code"] == "internal"
 
 
 def test_a_failing_build_is_reported_at_launch():

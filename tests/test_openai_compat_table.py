@@ -279,6 +279,28 @@ async def p_version(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
+async def p_tokenize(ctx: Ctx, _=None) -> str:
+    """vLLM's: a chat's ids are those its chat completion runs (as many as its prompt_tokens)."""
+    r = await ctx.http.post("/tokenize", json={"model": MODEL, "messages": CHAT, "return_token_strs": True})
+    got = r.json()
+    assert r.status_code == 200 and got["count"] == len(got["tokens"]) == len(got["token_strs"]), r.text
+    assert got["max_model_len"] > 0 and got["count"] == (await ctx.chat()).usage.prompt_tokens
+    plain = (await ctx.http.post("/tokenize", json={"prompt": PROMPT})).json()
+    assert plain["token_strs"] is None and plain["count"] == (await ctx.completion()).usage.prompt_tokens
+    refused = await ctx.http.post("/tokenize", json={"messages": CHAT, "chat_template": "{{ messages }}"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_parameter", refused.text
+    return "yes"
+
+
+async def p_detokenize(ctx: Ctx, _=None) -> str:
+    ids = (await ctx.http.post("/tokenize", json={"prompt": PROMPT})).json()["tokens"]
+    r = await ctx.http.post("/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT}, r.text
+    bad = await ctx.http.post("/detokenize", json={"tokens": [ids[0], 10 ** 6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", bad.text
+    return "yes"
+
+
 async def p_obfuscation(ctx: Ctx, _=None) -> str:
     try:
         stream = await ctx.chat(stream=True, stream_options={"include_obfuscation": True})
@@ -524,6 +546,8 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "GET /health": p_health,
     "GET /v1/health": p_health,
     "GET /version": p_version,
+    "POST /tokenize": p_tokenize,
+    "POST /detokenize": p_detokenize,
     "max_tokens": p_max_tokens,
     "max_completion_tokens": p_max_completion_tokens,
     "temperature": p_temperature,

@@ -59,6 +59,10 @@ class EngineClient(Protocol):
     def take_outputs(self) -> list[StepOutput]:
         """Everything produced so far, in step order; makes room for more."""
 
+    async def tokenize(self, request: dict) -> dict:
+        """A gateway's tokenize or detokenize request answered with the engine's tokenizer
+        (worker.tokenization.answer), on a thread of its own: the step loop is not held up."""
+
     def take_telemetry(self) -> Telemetry:
         """The engine's step and cancel records since the last take, and its latest gauges
         (worker.metrics reads them a few times a second)."""

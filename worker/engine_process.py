@@ -42,6 +42,7 @@ from worker.engine import StepOutput
 from worker.engine_client import Add, Cancel, EngineClient
 from worker.engine_thread import EngineThread
 from worker.telemetry import Telemetry
+from worker.tokenization import refusal
 
 log = logging.getLogger("worker.engine")
 
@@ -126,6 +127,8 @@ class EngineProcess:
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.unhealthy_reason = ""
         self._telemetry = Telemetry()
+        self._tokenize_replies: dict[int, asyncio.Future] = {}   # tokenize requests the child is answering
+        self._tokenize_seq = 0
 
     def launch(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start the child and wait until its engine is built (the model loaded)."""
@@ -178,6 +181,19 @@ class EngineProcess:
     def take_telemetry(self) -> Telemetry:
         return self._telemetry.take()
 
+    async def tokenize(self, request: dict) -> dict:
+        """Answered by the child's tokenize thread (EngineThread.tokenize_in_thread)."""
+        if self._gone or self._loop is None:
+            return refusal(ErrorCode.INTERNAL, "the engine process is gone")
+        self._tokenize_seq += 1
+        n = self._tokenize_seq
+        self._tokenize_replies[n] = reply = self._loop.create_future()
+        try:
+            self._send(["tok", n, request])
+            return await reply
+        finally:
+            self._tokenize_replies.pop(n, None)
+
     def is_alive(self) -> bool:
         return bool(self._proc and not self._gone and self._proc.is_alive())
 
@@ -216,8 +232,13 @@ class EngineProcess:
             for _ in range(self.MESSAGES_PER_WAKE):
                 # tuples, not lists: a third of the decoding cost at 1024 rows a step
                 kind, *rest = msgpack.unpackb(conn.recv_bytes(), use_list=False)
-                self._apply_status(rest[-2])
-                self._telemetry.merge(Telemetry.unpack(rest[-1]))
+                if kind == "tokr":
+                    reply = self._tokenize_replies.get(rest[0])
+                    if reply is not None and not reply.done():
+                        reply.set_result(rest[1])
+                else:
+                    self._apply_status(rest[-2])
+                    self._telemetry.merge(Telemetry.unpack(rest[-1]))
                 if kind == "out":
                     self._outputs.extend([_unpack_output(f) for f in rest[0]])
                     got = True
@@ -233,6 +254,9 @@ class EngineProcess:
 
     def _close(self) -> None:
         self._gone = True
+        for reply in self._tokenize_replies.values():
+            if not reply.done():
+                reply.set_result(refusal(ErrorCode.INTERNAL, "the engine process is gone"))
         if self._conn is not None:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._conn.fileno())
@@ -276,7 +300,7 @@ class _ChildLink:
                 self.conn.send_bytes(data)
             except OSError:           # the parent is gone: nothing to serve any more
                 os._exit(0)
-        if message[0] != "ready":
+        if message[0] not in ("ready", "tokr"):    # these carry no load figures
             self.last_status = time.monotonic()
 
     def on_output(self) -> None:
@@ -344,6 +368,10 @@ def _serve_commands(conn: Connection, thread: EngineThread, link: _ChildLink) ->
                 thread.submit(Cancel(rest[0], silent=rest[1], received_at=rest[2]))
             elif kind == "took":
                 link.took(rest[0])
+            elif kind == "tok":
+                thread.tokenize_in_thread(rest[1]).add_done_callback(
+                    lambda done, n=rest[0]: link.send(["tokr", n, done.result() if not done.cancelled() else
+                                                       refusal(ErrorCode.INTERNAL, "the engine is stopping")]))
             else:
                 return 0
         if not thread.is_alive():

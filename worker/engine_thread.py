@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 from shared.errors import ErrorCode
@@ -22,6 +23,7 @@ from shared.logs import rid_of
 from worker.engine import EngineRejected, EngineRequest, StepOutput, build_prompt_ids
 from worker.engine_client import Add, Cancel
 from worker.telemetry import GAUGES_EVERY_S, Telemetry
+from worker.tokenization import answer
 
 __all__ = ["Add", "Cancel", "EngineThread", "error_output", "on_loop"]
 
@@ -70,6 +72,7 @@ class EngineThread:
         # for the worker's metrics: one record a step, one a cancel (worker.telemetry)
         self.telemetry = Telemetry()
         self._telemetry_lock = threading.Lock()
+        self._tokenizing: ThreadPoolExecutor | None = None   # tokenize requests (started on first use)
 
     # ---- called from the asyncio side -----------------------------------------------------
 
@@ -99,6 +102,16 @@ class EngineThread:
         with self._telemetry_lock:
             return self.telemetry.take()
 
+    def tokenize_in_thread(self, request: dict) -> Future:
+        """worker.tokenization.answer with the engine's tokenizer, on one thread of its own (not
+        the engine's: its steps go on). Only reads the tokenizer, as the engine thread does."""
+        if self._tokenizing is None:
+            self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        return self._tokenizing.submit(answer, self.engine.tokenizer, request, getattr(self.engine, "max_model_len", 0))
+
+    async def tokenize(self, request: dict) -> dict:
+        return await asyncio.wrap_future(self.tokenize_in_thread(request))
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -106,6 +119,8 @@ class EngineThread:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if self._tokenizing is not None:
+            self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout)
 
     # ---- the thread -----------------------------------------------------------------------

@@ -385,10 +385,18 @@ class OutputWriter:
 
     async def attach_unknown(self, rid: str, gw: str, att: int) -> None:
         """This worker does not hold rid: tell the gateway to read the history to its end."""
+        await self.to_inbox(gw, encode_attach_marker(rid, None, 0, att))
+
+    async def to_inbox(self, gw: str, event: bytes) -> None:
+        """One event straight to gateway `gw`'s inbox, outside the flush (an attach marker for
+        a request not held here, a tokenize reply), with the inbox's TTL: a gateway that died
+        meanwhile must not be left an inbox that never expires."""
+        inbox = self.keys.inbox(gw)
         async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
-            await self.redis.xadd(self.keys.inbox(gw),
-                                  {ENTRY_FIELD: pack_event_list([encode_attach_marker(rid, None, 0, att)])},
-                                  maxlen=INBOX_MAXLEN, approximate=True)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list([event])}, maxlen=INBOX_MAXLEN, approximate=True)
+                pipe.expire(inbox, self.settings.output_ttl_s)
+                await pipe.execute()
 
 
 

@@ -162,6 +162,11 @@ class Engine:
         """Of `prefix_cache_queries`, the tokens taken from the prefix cache instead of computed (total)."""
         return self.scheduler.prefix_hits
 
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens one request may use (what vLLM calls max_model_len)."""
+        return min(self.config.max_seq_len, self.cache.tokens_total)
+
     def add(self, req: EngineRequest) -> None:
         """Queue a request, or raise EngineRejected if it can never run."""
         p = req.params
@@ -179,7 +184,7 @@ class Engine:
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
-        limit = min(self.config.max_seq_len, self.cache.tokens_total)
+        limit = self.max_model_len
         if need > limit:
             raise EngineRejected(
                 ErrorCode.CONTEXT_TOO_LONG,

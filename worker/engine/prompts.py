@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 
-def _plain_chat(messages: list[dict]) -> str:
+def _plain_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """Fallback for tokenizers without a chat template (base models)."""
     lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
+    return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
 def _hermes_call(call: dict) -> str:
@@ -58,10 +58,17 @@ def _arguments(text: str):
 
 
 def build_prompt_ids(tokenizer, prompt: str | None, messages: list[dict] | None,
-                     tools: list[dict] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, add_special_tokens: bool | None = None) -> list[int]:
     """Token ids for a raw prompt, or for chat messages rendered with the model's chat template
     (with the assistant turn opened, as OpenAI-style chat endpoints do), and the `tools` the
-    model may call (passed to the template, which shows them in the model's own format)."""
+    model may call (passed to the template, which shows them in the model's own format).
+
+    The keywords are vLLM's /tokenize options (worker.tokenization); their defaults are what a
+    generate runs. `continue_final_message`: the last message stays open (no turn end, no new
+    turn). `add_special_tokens`: None is the tokenizer's for a raw prompt and the template's
+    alone for a chat; True adds the tokenizer's special tokens on top of a chat's template,
+    False none to a raw prompt."""
     if (prompt is None) == (messages is None):
         raise ValueError("exactly one of prompt/messages is required")
     if messages is not None:
@@ -69,10 +76,17 @@ def build_prompt_ids(tokenizer, prompt: str | None, messages: list[dict] | None,
         if template:
             messages = _for_template(messages, tools, template if isinstance(template, str) else str(template))
             extra = {"tools": tools} if tools and "tools" in str(template) else {}
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                                **extra)
+            if continue_final_message:
+                extra["continue_final_message"] = True
+            if add_special_tokens:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False, **extra)
+                return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                return_dict=False, **extra)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return [int(t) for t in ids]
-        prompt = _plain_chat(_for_template(messages, tools, ""))
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+        prompt = _plain_chat(_for_template(messages, tools, ""), add_generation_prompt and not continue_final_message)
+    special = True if add_special_tokens is None else add_special_tokens
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=special)["input_ids"]]
