@@ -17,6 +17,7 @@ from openai import AsyncOpenAI
 
 from gateway.settings import GatewaySettings
 from shared.streams import ENTRY_FIELD, Keys, RequestEntry
+from tests.gateway_client import eventually
 from tests.stack_fixtures import gateway_in_process, prefix_with_worker
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,6 +36,8 @@ def settings(redis_server, prefix) -> GatewaySettings:
 async def test_health_and_version(redis_server, vllm_stack):
     async with gateway_in_process(settings(redis_server, vllm_stack)) as gw:
         async with httpx.AsyncClient(base_url=gw.base) as http:
+            # ready once its inbox reader's first read has come back (503 until then, as /readyz)
+            assert await eventually(lambda: _ok(http, "/health"), timeout=30)
             for path in ("/health", "/v1/health"):
                 r = await http.get(path)
                 assert r.status_code == 200 and r.json() == {"status": "ok"}, path
@@ -43,6 +46,10 @@ async def test_health_and_version(redis_server, vllm_stack):
             await gw.hub.drain(timeout=5)          # what SIGTERM starts: load balancers must stop sending
             r = await http.get("/health")
             assert r.status_code == 503 and r.json() == {"status": "draining"}
+
+
+async def _ok(http, path: str) -> bool:
+    return (await http.get(path)).status_code == 200
 
 
 async def test_ignore_eos_reaches_the_engine_and_runs_to_max_tokens(redis_server, redis_client, vllm_stack):
