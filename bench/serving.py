@@ -58,16 +58,6 @@ WORDS = ("time year people way day man thing woman life child world school state
          "office door health person art war history party result change morning reason research girl guy").split()
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def prompt_texts(tok, count: int, tokens: int, seed: int) -> list[str]:
     """`count` distinct texts of `tokens` tokens each (as the chat's user message)."""
     rng = random.Random(seed)
@@ -315,6 +305,7 @@ def main() -> None:
         ll = by.get(("llamacpp", r["profile"]))
         if ll and ll["out_tok_s"]:
             r["x_llamacpp_tok_s"] = round(r["out_tok_s"] / ll["out_tok_s"], 2)
+    from worker.engine.cpu_kernels import cpu_model
     cpu = cpu_model()
     threads = engine.threads if engine else None
     print(f"CPU: {cpu}, {os.cpu_count()} cores; engine torch threads: {threads}; worker env: {worker_env or 'defaults'}")

@@ -20,7 +20,7 @@ from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
 from worker.engine import cpu_kernels, quantize
 from worker.engine.config import settings_dtype, settings_quantization
-from worker.engine.quantize import (GROUP, Int4Linear, Int8SplitLinear, gguf_is_int4_exact, int4_linear,
+from worker.engine.quantize import (GROUP, Int4Linear, Int8SplitLinear, gguf_is_int4_exact,
                                     native_bf16_cpu, quantize_int4)
 from worker.model_files import SMOLLM2_GGUF, smollm2_dir
 
@@ -43,8 +43,7 @@ def q4_1_weight(out_features: int, in_features: int, generator: torch.Generator)
 
 def dequantized(linear: Int4Linear) -> torch.Tensor:
     """The dense weight an Int4Linear multiplies by, read back through the kernel (no bias)."""
-    eye = torch.eye(linear.in_features, dtype=linear.scales_zeros.dtype)
-    return int4_linear(eye, linear.packed, linear.scales_zeros).t()
+    return linear.dequantized()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -221,15 +221,11 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0) -
     head_rows = dense_rows
     if dense_rows != 0:
         for linear in quantized:
-            linear.with_dense(max(dense_rows, 1))
-    if dense_rows < 0:
-        dense_rows = cpu_kernels.calibrate_projections(quantized, int4_linear, dtype)
-    if dense_rows == 0:
-        for linear in quantized:
-            linear.dense, linear.dense_from_rows = None, 0
-    else:
-        for linear in quantized:
-            linear.dense_from_rows = dense_rows
+            linear.with_dense(dense_rows)
+        if dense_rows < 0:   # timed on the copies just made; none kept if dense never wins
+            chosen = cpu_kernels.calibrate_projections(quantized, int4_linear, dtype)
+            for linear in quantized:
+                linear.dense, linear.dense_from_rows = (linear.dense, chosen) if chosen else (None, 0)
     head = getattr(model, "lm_head", None)
     if type(head) is torch.nn.Linear and head.bias is None:
         # a Q8_0 head (SmolLM2's tied embeddings) keeps its 8 bits; any other stays dense in `dtype`

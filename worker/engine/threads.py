@@ -4,8 +4,9 @@ torch's default is one thread per core. That is right for a process alone on a m
 wrong for a worker, which never is: its own Redis loop runs beside the engine, and the embedded
 default (`scripts/serve.sh`) puts the gateway and Redis on the same cores. An OpenMP team that
 spans every core loses a core to any of them at each of the ~200 parallel regions of a step,
-and the whole team waits at the region's barrier (bench/RESULTS.md, "Threads and cores":
-two threads beside the stack on a 2-core box made the engine up to 10x slower and noisy).
+and the whole team waits at the region's barrier (docs/operations.md, "Threads and cores";
+bench/RESULTS.md, "Serving": two torch threads beside the stack on a 2-core box gave one user
+half the engine's speed).
 
 So the engine takes every usable core but one (at least one): the one left runs the worker's
 Redis loop, the gateway and Redis when they share the box, and absorbs the OS. A single stream's
