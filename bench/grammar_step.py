@@ -34,7 +34,7 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength
 def measure(model, tok, device: str, rows: int, constrained: int, steps: int, prompt: int) -> dict:
     import torch
 
-    from shared.streams import SamplingParams
+    from shared.sampling import SamplingParams
     from worker.engine import Engine, EngineConfig, EngineRequest
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     engine = Engine(model, tok, EngineConfig(max_batch=rows, max_seq_len=prompt + steps + 64, prefill_chunk=4096,

@@ -29,12 +29,13 @@ docs/transport.md for the whole data path, resume and the reasons.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import msgpack
 
 from shared.protocol import MAX_TOP_LOGPROBS, PROTOCOL_VERSION
+from shared.sampling import SamplingParams
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
@@ -107,29 +108,6 @@ class Keys:
     @property
     def orphans(self) -> str:
         return f"{self.prefix}:{{reg}}:orphans"
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    # structured output: a grammar the tokens must follow (worker.engine.grammar: {"type":
-    # "json_object"} or {"type": "json_schema", "schema": {...}}); None: free text
-    grammar: dict | None = None
-    # per output token its logprob and this many most likely alternatives (0-20); None: none
-    logprobs: int | None = None
-    # EOS ids are never sampled: the answer runs to max_tokens (vLLM's extension; benchmarks
-    # such as guidellm force output lengths with it)
-    ignore_eos: bool = False
-
-    @property
-    def deterministic(self) -> bool:
-        """Greedy or seeded: a replay on another worker yields the same tokens."""
-        return self.temperature == 0.0 or self.seed is not None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from transformers import (AutoTokenizer, LlamaForCausalLM, MistralConfig, Mistra
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from shared.errors import ErrorCode
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
 
 # Strings, arrays and numbers are bounded: a random model must still end each document.

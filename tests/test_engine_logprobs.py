@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
 from worker.engine.logprobs import LogprobGather
 

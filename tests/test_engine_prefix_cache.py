@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from tests.engine_families import FAMILIES, assert_prefix_caching_exact
 from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.engine.block_pool import BlockPool, extend_names, prefix_root

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.streams import RequestEntry, SamplingParams
+from shared.sampling import SamplingParams
+from shared.streams import RequestEntry
 from tests.gateway_client import eventually
 from tests.stack_fixtures import pid_alive
 from worker.engine import build_prompt_ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine.engine import EngineRequest
 from worker.engine.kv_cache import PagedKVCache
 from worker.engine.scheduler import Scheduler

@@ -16,7 +16,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.backlog import live_workers
 from shared.localredis import LocalRedis
-from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event_list,
+from shared.sampling import SamplingParams
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, decode_event_list,
                             encode_cancel, encode_tok, history_id)
 from tests.gateway_client import eventually
 from tests.stack_fixtures import (engine_pids, metric, pid_alive, scrape, start_synthetic_worker, start_worker,

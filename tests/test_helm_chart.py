@@ -217,7 +217,7 @@ def test_default_worker_is_cpu_only_and_gpu_values_ask_for_nvidia_gpus():
     mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
     assert model_path.startswith(mounts["models"] + "/")
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["models"] == mounts["models"]
-    from worker.model_files import SMOLLM2_GGUF, SMOLLM2_PACKAGE
+    from worker.engine.model_files import SMOLLM2_GGUF, SMOLLM2_PACKAGE
     assert model_path.endswith(f"/{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}"), "where pip --target puts the package's file"
 
 

@@ -12,7 +12,8 @@ from shared.protocol import (
     Accepted, Chunk, Done, Error, Heartbeat, Pong, Usage, decode_frame, encode_server,
     parse_client_message, parse_server_message,
 )
-from shared.streams import Keys, RequestEntry, SamplingParams, decode_event, encode_tok
+from shared.sampling import SamplingParams
+from shared.streams import Keys, RequestEntry, decode_event, encode_tok
 
 CLIENT_MESSAGES = [
     {"type": "generate", "id": "r1", "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "seed": 3, "stop": ["\n"]},

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from shared.errors import ErrorCode
-from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
+from shared.sampling import SamplingParams
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, decode_event,
                             decode_event_list, encode_tok, pack_event_list)
 from worker.engine import StepOutput
 from worker.events import InFlight, Progress, progress_from_last

@@ -7,7 +7,8 @@ import time
 import uuid
 
 from gateway.stream_join import StreamJoin
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event, decode_event_list
+from shared.sampling import SamplingParams
+from shared.streams import ENTRY_FIELD, Keys, RequestEntry, decode_event, decode_event_list
 from tests.gateway_client import eventually
 
 

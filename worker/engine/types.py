@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.errors import ErrorCode
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
