@@ -38,7 +38,7 @@ ERROR = st.builds(lambda i, code: StepOutput(f"e{i}", "", [], True, "error", 3, 
                   st.integers(0, 99), st.sampled_from([ErrorCode.INTERNAL, ErrorCode.CONTEXT_TOO_LONG]))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=120, deadline=None, derandomize=True)
 @given(st.lists(TOKEN | FINAL | ERROR, max_size=40))
 def test_any_mix_of_outputs_crosses_exactly(outs):
     back = roundtrip(outs)
@@ -51,7 +51,7 @@ def test_a_field_every_output_sets_is_sent_once_as_a_column_and_one_no_output_se
     lp = [[" a", -0.5, [], 0]]
     outs = [StepOutput(f"r{i}", " a", [i], False, None, 3, 1, emitted_ms=9, logprobs=lp) for i in range(4)]
     cols = pack_outputs(outs)
-    assert cols["lp"] == [None, [lp] * 4]
+    assert cols["lp"][0] is None and list(cols["lp"][1]) == [lp] * 4
     assert not {"f", "fr", "ec", "em", "ct", "a"} & set(cols)
     assert roundtrip(outs) == outs
 

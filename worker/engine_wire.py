@@ -25,10 +25,10 @@ from worker.engine.types import StepOutput
 
 _FIELDS = fields(StepOutput)
 _DENSE_KEYS = [f.metadata["key"] for f in _FIELDS if not f.metadata["sparse"]]
-_SPARSE = [(f.metadata["key"], f.metadata["usual"], attrgetter(f.name)) for f in _FIELDS if f.metadata["sparse"]]
+_SPARSE = [(f.metadata["key"], f.metadata["usual"]) for f in _FIELDS if f.metadata["sparse"]]
 _dense_values = attrgetter(*[f.name for f in _FIELDS if not f.metadata["sparse"]])
 _sparse_values = attrgetter(*[f.name for f in _FIELDS if f.metadata["sparse"]])
-_USUAL = tuple(usual for _, usual, _ in _SPARSE)
+_USUAL = tuple(usual for _, usual in _SPARSE)
 # per field, in the constructor's order: (name, key, sparse, usual, decode)
 _ARGS = [(f.name, f.metadata["key"], f.metadata["sparse"], f.metadata["usual"], f.metadata["decode"]) for f in _FIELDS]
 
@@ -39,11 +39,11 @@ def pack_outputs(outs: list[StepOutput]) -> dict:
     if not n:
         return {}
     cols: dict = dict(zip(_DENSE_KEYS, zip(*map(_dense_values, outs))))
-    unusual = list(compress(range(n), map(_USUAL.__ne__, map(_sparse_values, outs))))
+    sparse = list(map(_sparse_values, outs))
+    unusual = list(compress(range(n), map(_USUAL.__ne__, sparse)))
     if unusual:
-        some = outs if len(unusual) == n else [outs[j] for j in unusual]
-        for key, usual, get in _SPARSE:
-            values = list(map(get, some))
+        picked = sparse if len(unusual) == n else [sparse[j] for j in unusual]
+        for (key, usual), values in zip(_SPARSE, zip(*picked)):
             sent = len(values) - values.count(usual)
             if sent == n:                  # every output has one: a whole column
                 cols[key] = [None, values]

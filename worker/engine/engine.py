@@ -8,19 +8,19 @@ every step), asking the `KVCacheManager` for their blocks; the `ModelRunner` exe
 in one forward pass and samples, over its `InputBatch` of per-row state; then the scheduler
 advances each request (`update_from_output`: computed tokens, published blocks, the sampled
 token appended) and the engine turns each sampled token into what the request produced
-(detokenize, stop strings, finish, logprobs). Every request the engine holds ends with exactly one final output,
-whatever raises: a failed forward pass fails the requests in it, a failure while handling one
-request's token fails that request only. The engine is single-threaded by design: its owner
-calls add/cancel/step from one thread.
+(detokenize, stop strings, finish, logprobs). Every request the engine holds ends with exactly
+one final output, whatever raises: a failed forward pass fails the requests in it, a failure
+while handling one request's token fails that request only. The engine is single-threaded by
+design: its owner calls add/cancel/step from one thread.
 
-Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py, kv_cache_manager.py): KV
-blocks of earlier requests' contexts stay in the pool after they end and a request whose context
-starts the same way takes them instead of computing them. Each output reports the prompt tokens
-its request took from the cache (`StepOutput.cached_tokens`), and the engine keeps the hit rate
-(`prefix_cache_queries` / `prefix_cache_hits`). It is exact for every family the engine accepts,
-sliding windows included: a block's KV depends only on the tokens up to it, and the engine keeps
-every block of a context (a window only masks what attention reads), so a shared block holds
-what the request would have computed itself.
+Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py,
+kv_cache_manager.py): KV blocks of earlier requests' contexts stay in the pool after they end
+and a request whose context starts the same way takes them instead of computing them. Each
+output reports the prompt tokens its request took from the cache (`StepOutput.cached_tokens`),
+and the engine keeps the hit rate (`prefix_cache_queries` / `prefix_cache_hits`). It is exact
+for every family the engine accepts, sliding windows included: a block's KV depends only on the
+tokens up to it, and the engine keeps every block of a context (a window only masks what
+attention reads), so a shared block holds what the request would have computed itself.
 """
 
 from __future__ import annotations

@@ -85,13 +85,13 @@ class ModelRunner:
         """Token ids sampled for `plan.sampled`, in that order (their logprobs, for the rows
         that ask, in `last_logprobs`). Every plan comes here, an empty one too: its admitted
         and preempted requests take and give back their rows."""
-        self.last_logprobs = None
-        if self._upload_done is not None:
-            self._upload_done.synchronize()   # done long ago in practice: a query, not a wait
         batch = self.batch
-        batch.update(plan)
+        batch.update(plan)   # first: nothing below may leave an admitted request without its row
+        self.last_logprobs = None
         if plan.empty:
             return []
+        if self._upload_done is not None:
+            self._upload_done.synchronize()   # done long ago in practice: a query, not a wait
         bs = self.cache.block_size
         decode = plan.decode
         nd = len(decode)
