@@ -220,7 +220,8 @@ async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event
         rid = oai_id.split("-", 1)[1]
 
         async def parked() -> bool:     # gw_a saw the drop and parked the request for a resume
-            return any(m.decode().startswith(rid + "|") for m in await redis_client.zrange(Keys(oai_stack).orphans, 0, -1))
+            members = await redis_client.zrange(Keys(oai_stack).orphans, 0, -1)
+            return any(m.decode().startswith(rid + "|") for m in members)
         assert await eventually(parked, timeout=10)
         async with httpx.AsyncClient(timeout=60) as http:
             # a stream of another key, or an unknown id, cannot be resumed
