@@ -39,7 +39,6 @@ from gateway.requests import RequestTable
 from gateway.resume import Resumer
 from gateway.router import Router
 from gateway.sender import Sender, WakeEvent
-from gateway.session import Session
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.submit import Submitter
@@ -91,6 +90,22 @@ class Hub:
         self.router = Router(self.redis, self.keys, worker_ttl_s=s.worker_ttl_s, enabled=s.cache_routing)
         self.starter = RequestStarter(s, self.admission, self.submitter, self.bookkeeper, self.gw_id, self.router)
         self.resumer = Resumer(self.submitter)
+        self._build_fronts()
+        try:
+            await self.liveness.beat()
+            if self.router.enabled:   # route from the first request, not from housekeeping's first tick
+                await self.router.refresh()
+        except (RedisError, OSError) as exc:
+            log.warning("first liveness beat or registry read failed (%s); housekeeping retries", exc)
+        self.reader.start()
+        self.bookkeeper.start()
+        self.heartbeats.start()
+        self.housekeeping.start()
+        log.info("gateway %s started (inbox %s)", self.gw_id, self.keys.inbox(self.gw_id))
+
+    def _build_fronts(self) -> None:
+        """The request core over the parts, the duties, and what the endpoints and tests reach."""
+        s = self.settings
         self.core = RequestCore(starter=self.starter, resumer=self.resumer, submitter=self.submitter,
                                 sessions=self.sessions, metrics=self.metrics)
         self.housekeeping = Housekeeping(gateway_duties(
@@ -106,17 +121,6 @@ class Hub:
         self.probe = GatewayProbe(sessions=self.sessions, metrics=self.metrics, reader=self.reader,
                                   router=self.router, submitter=self.submitter, socket_caps=self.socket_caps,
                                   drain=self.drain)
-        try:
-            await self.liveness.beat()
-            if self.router.enabled:   # route from the first request, not from housekeeping's first tick
-                await self.router.refresh()
-        except (RedisError, OSError) as exc:
-            log.warning("first liveness beat or registry read failed (%s); housekeeping retries", exc)
-        self.reader.start()
-        self.bookkeeper.start()
-        self.heartbeats.start()
-        self.housekeeping.start()
-        log.info("gateway %s started (inbox %s)", self.gw_id, self.keys.inbox(self.gw_id))
 
     async def stop(self) -> None:
         await self.heartbeats.stop()
@@ -143,11 +147,6 @@ class Hub:
     @property
     def draining(self) -> bool:
         return self.sessions.draining
-
-    @property
-    def connections(self) -> set[Session]:
-        """Every open session (WebSockets and HTTP responses)."""
-        return self.sessions.all
 
     async def drain(self, timeout: float = 5.0) -> None:
         await self.sessions.drain(timeout)
