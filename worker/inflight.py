@@ -55,7 +55,7 @@ class InFlightTable:
         self._requests: dict[str, InFlight] = {}
         # rid -> request, read-only and live: what the output writer routes outputs to and writes
         self.view: Mapping[str, InFlight] = MappingProxyType(self._requests)
-        self.capacity_event = asyncio.Event()   # set whenever room may have opened (or we stop)
+        self._room = asyncio.Event()   # set whenever room may have opened (or we stop)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -101,13 +101,13 @@ class InFlightTable:
         return self.capacity + self.queue_depth - self.running_count()
 
     def wake(self) -> None:
-        self.capacity_event.set()
+        self._room.set()
 
     async def wait_for_room(self) -> None:
         """Return once room may have opened (a request left, or we stop); at once if there is room."""
-        self.capacity_event.clear()
+        self._room.clear()
         if self.free_slots() <= 0:
-            await self.capacity_event.wait()
+            await self._room.wait()
 
     # ---- coming and going -------------------------------------------------------------------
 
