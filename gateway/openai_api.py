@@ -369,7 +369,7 @@ def done_error(done: Done) -> APIError | None:
     if done.finish_reason == "error":
         err = done.error or {}
         error = APIError.from_code(err.get("code", "internal"), err.get("message", ""))
-        error.param = structured.refusal_param(error.code, error.message)
+        error.param = err.get("param")
         return error
     if done.finish_reason == "cancelled":
         return APIError(410, f"the request was cancelled (its client disconnected or cancelled it) after "
@@ -709,7 +709,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         try:
             msg = parse_client_message({"type": "generate", "id": prefix + rid, **fields})
         except ProtocolError as exc:
-            param = "Idempotency-Key" if "idempotency_key" in exc.message else None
+            param = "Idempotency-Key" if exc.param == "idempotency_key" else None
             raise APIError(400, exc.message, code=exc.code.value, param=param) from None
         wake = WakeEvent()
         requests = hub.request_table(wake)

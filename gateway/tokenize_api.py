@@ -36,6 +36,7 @@ from gateway.new_request import check_prompt_chars, entry_prompt
 from gateway.openai_api import APIError, _chat_messages, _key_id, _served, json_object, validated
 from gateway.socket_io import SHUTDOWN_REASON
 from shared.errors import ErrorCode, ProtocolError
+from shared.events import TokenizeReply
 from shared.protocol import parse_client_message
 from shared.streams import encode_tokenize
 
@@ -103,7 +104,7 @@ def tokenize_fields(body: TokenizeCompletionBody | TokenizeChatBody, max_prompt_
     return out
 
 
-async def ask_worker(hub: Hub, kind: str, fields: dict) -> dict:
+async def ask_worker(hub: Hub, kind: str, fields: dict) -> TokenizeReply:
     """One request/reply with a live worker (this module's docstring); its answer, or APIError."""
     reply_id = "tok-" + secrets.token_hex(16)
     replied: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -128,10 +129,9 @@ async def ask_worker(hub: Hub, kind: str, fields: dict) -> dict:
         raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
     finally:
         hub.reader.unsubscribe(sub)
-    error = answer.get("error")
-    if isinstance(error, dict):
-        exc = APIError.from_code(error.get("code", "internal"), str(error.get("message", "")))
-        exc.param = error.get("param")
+    if answer.error is not None:
+        exc = APIError.from_code(answer.error.code, answer.error.message)
+        exc.param = answer.error.param
         raise exc
     return answer
 
@@ -147,9 +147,9 @@ async def tokenize(request: Request) -> Response:
         answer = await ask_worker(hub, "tokenize", tokenize_fields(body, hub.settings.max_prompt_chars))
     except APIError as exc:
         return exc.response()
-    tokens = list(answer["tokens"])
-    strs = answer.get("token_strs")
-    return JSONResponse({"count": len(tokens), "max_model_len": answer["max_model_len"], "tokens": tokens,
+    tokens = list(answer.tokens or ())
+    strs = answer.token_strs
+    return JSONResponse({"count": len(tokens), "max_model_len": answer.max_model_len, "tokens": tokens,
                          "token_strs": list(strs) if strs is not None else None})
 
 
@@ -171,7 +171,7 @@ async def detokenize(request: Request) -> Response:
         answer = await ask_worker(hub, "detokenize", {"tokens": body.tokens})
     except APIError as exc:
         return exc.response()
-    return JSONResponse({"prompt": answer["prompt"]})
+    return JSONResponse({"prompt": answer.prompt})
 
 
 ROUTES = [

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from shared.errors import ErrorCode
+from shared.events import TokEvent
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
-                            decode_event_list, encode_tok, pack_event_list)
+                            decode_event_list, pack_event_list)
 from worker.engine import StepOutput
 from worker.events import InFlight, Progress, progress_from_last
 from worker.failover import decide, rid_of_raw
@@ -77,7 +78,7 @@ def test_error_final_and_urgency():
 
 
 def test_inbox_entries_are_lists_of_events():
-    payloads = [encode_tok(f"r{i}", i + 1, [i], "x", 1, 0) for i in range(40)]
+    payloads = [TokEvent(f"r{i}", i + 1, [i], "x", 1, 0).encode() for i in range(40)]
     for n in (0, 1, 15, 16, 40):
         assert decode_event_list(pack_event_list(payloads[:n])) == [decode_event(p) for p in payloads[:n]]
 

@@ -57,13 +57,13 @@ class EngineStartFailed(RuntimeError):
 # ---- wire format (positional msgpack lists) ------------------------------------------------
 
 def _pack_output(o: StepOutput) -> list:
-    """A token output in 6 fields; finals and errors in all 12; logprobs (when asked) one more."""
+    """A token output in 6 fields; finals and errors in all 13; logprobs (when asked) one more."""
     if not o.finished and o.error_code is None:
         fields = [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms]
     else:
         fields = [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms,
                   o.finished, o.finish_reason, o.error_code.value if o.error_code is not None else None,
-                  o.error_message, o.cached_tokens, o.admitted_ms]
+                  o.error_message, o.cached_tokens, o.admitted_ms, o.error_param]
     if o.logprobs is not None:
         fields.append(o.logprobs)
     return fields
@@ -74,8 +74,8 @@ def _unpack_output(f: list) -> StepOutput:
         out = StepOutput(f[0], f[1], list(f[2]), False, None, f[3], f[4], None, None, f[5])
     else:
         out = StepOutput(f[0], f[1], list(f[2]), f[6], f[7], f[3], f[4], ErrorCode(f[8]) if f[8] is not None else None,
-                         f[9], f[5], f[10], f[11])
-    if len(f) in (7, 13):
+                         f[9], f[5], f[10], f[11], error_param=f[12])
+    if len(f) in (7, 14):
         out.logprobs = f[-1]
     return out
 

@@ -19,11 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import msgpack
-
 from shared.errors import RETRYABLE, ErrorCode
-from shared.streams import (FINAL_KINDS, RequestEntry, encode_attach_marker, encode_done, encode_err, encode_tok,
-                            history_id)
+from shared.events import AttachMarker, DoneEvent, DoneUsage, ErrEvent, HistoryEvent, TokEvent
+from shared.streams import RequestEntry, history_id
 from worker.engine import StepOutput
 
 
@@ -34,11 +32,11 @@ class Progress:
     finished: bool = False
 
 
-def progress_from_last(last: dict | None) -> Progress:
+def progress_from_last(last: HistoryEvent | None) -> Progress:
     """Progress from the newest event of a history stream (None: nothing written yet)."""
-    if not last:
+    if last is None:
         return Progress()
-    return Progress(seq=int(last.get("seq") or 0), finished=last.get("k") in FINAL_KINDS)
+    return Progress(seq=last.seq, finished=last.is_final)
 
 
 @dataclass
@@ -114,7 +112,7 @@ class InFlight:
             self.completion_tokens, self.finish_reason = out.completion_tokens, out.finish_reason or "stop"
             if out.finish_reason == "error":
                 code = out.error_code or ErrorCode.INTERNAL
-                self.finish_error(code, out.error_message or code.value)
+                self.finish_error(code, out.error_message or code.value, param=out.error_param)
             else:
                 self.finish_done(out.finish_reason or "stop", out.prompt_tokens, out.completion_tokens,
                                  cached_tokens=out.cached_tokens)
@@ -127,17 +125,17 @@ class InFlight:
 
         def since_submit(at: int) -> int | None:
             return at - created if at and created else None
-        self._freeze_final(encode_done(self.rid, self.seq, reason, prompt_tokens, completion_tokens,
-                                       self.epoch, now, ttft_ms=since_submit(self.first_token_ms),
-                                       cached_tokens=cached_tokens, ttfmt_ms=since_submit(self.meaningful_ms),
-                                       ttlt_ms=since_submit(self.final_ms or now), worker=self.worker,
-                                       lane=self.lane))
+        usage = DoneUsage(prompt_tokens, completion_tokens, cached_tokens, since_submit(self.first_token_ms),
+                          since_submit(self.meaningful_ms), since_submit(self.final_ms or now))
+        self._freeze_final(DoneEvent(self.rid, self.seq, reason, usage, self.epoch, now, self.worker, self.lane))
 
-    def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None) -> None:
+    def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None, *,
+                     param: str | None = None) -> None:
+        """`param`: the request field the error is about (None: the request as a whole)."""
         self.freeze()
-        self._freeze_final(encode_err(self.rid, self.seq, code.value, message,
-                                      code in RETRYABLE if retryable is None else retryable,
-                                      self.epoch, _now_ms(), worker=self.worker, lane=self.lane))
+        self._freeze_final(ErrEvent(self.rid, self.seq, code.value, message,
+                                    code in RETRYABLE if retryable is None else retryable,
+                                    self.epoch, _now_ms(), self.worker, self.lane, param))
 
     @property
     def lane(self) -> str:
@@ -153,20 +151,19 @@ class InFlight:
         n = len(self.pending_ids)
         self.seq += n
         self.unsent.append(Frozen(history_id(self.seq, False),
-                                  encode_tok(self.rid, self.seq, self.pending_ids, self.pending_text, self.epoch,
-                                             self.pending_ms, self.pending_lps, self.prompt_tokens), self.seq, False))
+                                  TokEvent(self.rid, self.seq, self.pending_ids, self.pending_text, self.epoch,
+                                           self.pending_ms, self.pending_lps, self.prompt_tokens).encode(),
+                                  self.seq, False))
         self.pending_ids, self.pending_text, self.pending_lps = [], "", None
 
-    def _freeze_final(self, payload: bytes) -> None:
+    def _freeze_final(self, final: DoneEvent | ErrEvent) -> None:
         if self.engine_done:  # a second final (e.g. a cancel racing the last token): keep the first
             return
         if self.pending_text:  # text without a token id (detokenizer flush): keep it, on the final
-            obj = msgpack.unpackb(payload, raw=False)
-            obj["text"] = self.pending_text
-            payload = msgpack.packb(obj, use_bin_type=True)
+            final.text = self.pending_text
             self.pending_text = ""
         self.engine_done = True
-        self.unsent.append(Frozen(history_id(self.seq, True), payload, self.seq, True))
+        self.unsent.append(Frozen(history_id(self.seq, True), final.encode(), self.seq, True))
 
     @property
     def has_news(self) -> bool:
@@ -190,7 +187,7 @@ class InFlight:
 
     def marker(self) -> bytes:
         """Attach marker: everything <= written_seq is in history; the rest comes live."""
-        return encode_attach_marker(self.rid, self.written_seq, self.epoch, self.marker_att or 0)
+        return AttachMarker(self.rid, self.written_seq, self.epoch, self.marker_att or 0).encode()
 
 
 def _now_ms() -> int:

@@ -65,7 +65,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptEr
 from shared.config import Settings
 from shared.aio import wait_event
 from shared.errors import ErrorCode
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_attach_marker, pack_event_list
+from shared.events import AttachMarker
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, pack_event_list
 from shared.logs import rid_of
 from worker.engine import StepOutput
 from worker.events import InFlight
@@ -385,7 +386,7 @@ class OutputWriter:
 
     async def attach_unknown(self, rid: str, gw: str, att: int) -> None:
         """This worker does not hold rid: tell the gateway to read the history to its end."""
-        await self.to_inbox(gw, encode_attach_marker(rid, None, 0, att))
+        await self.to_inbox(gw, AttachMarker(rid, None, 0, att).encode())
 
     async def to_inbox(self, gw: str, event: bytes) -> None:
         """One event straight to gateway `gw`'s inbox, outside the flush (an attach marker for
