@@ -174,8 +174,9 @@ class RequestTable:
             moved = req.sub is not None and req.sub.closed     # resumed on another session of this replica
             if (req.final is None and not req.finished and req.accepted and not moved
                     and now - req.progress_at > stall_s):
-                req.join.end_here(ErrEvent.here(req.rid, req.join.delivered, ErrorCode.STALLED,
-                                                f"no output for {stall_s:g}s: the worker went silent; retry the request"))
+                req.join.end_here(ErrEvent.here(
+                    req.rid, req.join.delivered, ErrorCode.STALLED,
+                    f"no output for {stall_s:g}s: the worker went silent; retry the request"))
                 stalled.append(req)
         if stalled:
             self._wake.set()

@@ -62,6 +62,16 @@ class TokEvent:
     def n(self) -> int:
         return len(self.ids)
 
+    def add_output(self, out) -> None:
+        """Append one engine output's tokens (a worker.engine StepOutput: `token_ids`, `text`,
+        `logprobs`): the one place that says how each per-token field accumulates into an event."""
+        self.ids.extend(out.token_ids)
+        self.text += out.text
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(out.logprobs)
+
     @property
     def first(self) -> int:
         """The first token seq it covers."""

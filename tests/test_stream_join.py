@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from gateway.stream_join import StreamJoin
+from shared.errors import ErrorCode
 from shared.events import DoneEvent, ErrEvent, HistoryEvent, TokEvent
 
 
@@ -160,8 +161,8 @@ def test_reordered_inbox_events():
 
 def test_a_gateway_side_end_wins_once():
     j = StreamJoin()
-    assert j.end_here({"k": "done", "seq": 0, "finish_reason": "cancelled"})
-    assert not j.end_here({"k": "err", "seq": 0})
+    assert j.end_here(DoneEvent.here("r", 0, "cancelled"))
+    assert not j.end_here(ErrEvent.here("r", 0, ErrorCode.STALLED, "no output"))
     assert j.live(tok(1)) == []
 
 

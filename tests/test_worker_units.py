@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from shared.errors import ErrorCode
-from shared.events import TokEvent
+from shared.events import TokEvent, event_from_map
 from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
                             decode_event_list, pack_event_list)
 from worker.engine import StepOutput
@@ -19,7 +19,7 @@ def entry(**params) -> RequestEntry:
 
 
 def test_failover_decisions():
-    tok = lambda seq, ids: {"k": "tok", "seq": seq, "n": len(ids), "ids": ids}
+    tok = lambda seq, ids: TokEvent("r", seq, ids, "", 1, 0)
     assert decide(entry(temperature=0.7), Progress(), []).action == "run"
     assert decide(entry(temperature=0.7), Progress(seq=3, finished=True), []).action == "ack"
     history = [tok(2, [5, 6]), tok(5, [7, 8, 9])]
@@ -28,7 +28,7 @@ def test_failover_decisions():
         assert (d.action, d.generated_ids) == ("continue", [5, 6, 7, 8, 9])
     # a history that does not cover 1..seq (trimmed, or events without ids) cannot be continued
     assert decide(entry(temperature=1.0), Progress(seq=5), history[1:]).action == "lost"
-    assert decide(entry(temperature=1.0), Progress(seq=5), [tok(2, [5, 6]), {"k": "tok", "seq": 5, "n": 3}]).action == "lost"
+    assert decide(entry(temperature=1.0), Progress(seq=5), [tok(2, [5, 6]), event_from_map({"k": "tok", "seq": 5, "n": 3})]).action == "lost"
 
 
 def out(text, ids, fin=False, reason=None):
@@ -48,8 +48,8 @@ def test_events_v2_cover_many_tokens_with_ids_seq_range_and_epoch():
     assert decoded[1]["ids"] == [2, 3, 4] and decoded[1]["text"] == "lo you"
     assert all(e["v"] == 2 and e["ep"] == 2 and e["rid"] == "r" for e in decoded)
     assert all(abs(e["ms"] - time.time() * 1000) < 60_000 for e in decoded)
-    assert progress_from_last(decoded[1]) == Progress(seq=4)
-    assert progress_from_last(decoded[-1]).finished
+    assert progress_from_last(event_from_map(decoded[1])) == Progress(seq=4)
+    assert progress_from_last(event_from_map(decoded[-1])).finished
     # outputs stay queued until confirmed; a retry sends the very same frozen events
     before = list(st.unsent)
     st.freeze()

@@ -1,8 +1,9 @@
 """One request's output on its way to Redis: engine step outputs -> v2 events, queued until written.
 
 Why a queue per request: a write can fail (Redis restarting, or refusing writes when full), and
-an event may only leave the queue once Redis has it. Step outputs are appended to `pending`
-(token ids + text); `freeze()` turns what is pending into ONE token event covering many tokens
+an event may only leave the queue once Redis has it. Step outputs are appended to `pending`, the
+token event being built (`TokEvent.add_output`: ids, text, and every other per-token field);
+`freeze()` turns what is pending into ONE token event covering many tokens
 (`seq` = tokens delivered so far, `n` tokens, their ids and text) and appends it to `unsent`,
 where it stays, byte for byte, until a write confirms it. Freezing before writing matters: a
 retried write must send exactly the event it tried before (same id `{seq}-0`, same tokens), or a
@@ -59,9 +60,7 @@ class InFlight:
     epoch: int = 0
     seq: int = 0                         # tokens put into events so far
     written_seq: int = 0                 # tokens confirmed in the history stream
-    pending_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
-    pending_lps: list | None = None      # logprobs of pending_ids, one entry each (requests that ask)
+    pending: TokEvent = field(default_factory=lambda: TokEvent("", 0, [], "", 0, 0))   # tokens not frozen yet
     pending_ms: int = 0                  # when the oldest pending output was produced
     first_token_ms: int = 0              # when the request's first token was produced (any run)
     # for the worker's metrics, set as outputs arrive (worker.metrics.request_finished)
@@ -94,19 +93,14 @@ class InFlight:
 
     def add_output(self, out: StepOutput) -> None:
         if out.token_ids or out.text:
-            if not self.pending_ids and not self.pending_text:
+            if not self.pending.ids and not self.pending.text:
                 self.pending_ms = out.emitted_ms
             if out.token_ids and not self.first_token_ms:
                 self.first_token_ms = out.emitted_ms
             if not self.meaningful_ms and out.text and not out.text.isspace():
                 self.meaningful_ms = out.emitted_ms
             self.prompt_tokens = out.prompt_tokens
-            self.pending_ids.extend(out.token_ids)
-            self.pending_text += out.text
-            if out.logprobs is not None:
-                if self.pending_lps is None:
-                    self.pending_lps = []
-                self.pending_lps.extend(out.logprobs)
+            self.pending.add_output(out)
         if out.finished:
             self.final_ms, self.admitted_ms = out.emitted_ms, out.admitted_ms
             self.completion_tokens, self.finish_reason = out.completion_tokens, out.finish_reason or "stop"
@@ -146,33 +140,32 @@ class InFlight:
     def freeze(self) -> None:
         """Pending tokens -> one frozen token event. Text that came without a token id cannot
         get a seq of its own: it waits for the next token (or rides on the final event)."""
-        if not self.pending_ids:
+        ev = self.pending
+        if not ev.ids:
             return
-        n = len(self.pending_ids)
-        self.seq += n
-        self.unsent.append(Frozen(history_id(self.seq, False),
-                                  TokEvent(self.rid, self.seq, self.pending_ids, self.pending_text, self.epoch,
-                                           self.pending_ms, self.pending_lps, self.prompt_tokens).encode(),
-                                  self.seq, False))
-        self.pending_ids, self.pending_text, self.pending_lps = [], "", None
+        self.seq += len(ev.ids)
+        ev.rid, ev.seq, ev.epoch, ev.ms = self.rid, self.seq, self.epoch, self.pending_ms
+        ev.prompt_tokens = self.prompt_tokens
+        self.unsent.append(Frozen(history_id(self.seq, False), ev.encode(), self.seq, False))
+        self.pending = TokEvent(self.rid, 0, [], "", 0, 0)
 
     def _freeze_final(self, final: DoneEvent | ErrEvent) -> None:
         if self.engine_done:  # a second final (e.g. a cancel racing the last token): keep the first
             return
-        if self.pending_text:  # text without a token id (detokenizer flush): keep it, on the final
-            final.text = self.pending_text
-            self.pending_text = ""
+        if self.pending.text:  # text without a token id (detokenizer flush): keep it, on the final
+            final.text = self.pending.text
+            self.pending.text = ""
         self.engine_done = True
         self.unsent.append(Frozen(history_id(self.seq, True), final.encode(), self.seq, True))
 
     @property
     def has_news(self) -> bool:
-        return bool(self.pending_ids or self.unsent or (self.marker_att is not None and self.gw))
+        return bool(self.pending.ids or self.unsent or (self.marker_att is not None and self.gw))
 
     @property
     def urgent(self) -> bool:
         """Written without waiting for the flush tick: the first token, a final, a marker."""
-        return ((self.marker_att is not None and bool(self.gw)) or (self.written_seq == 0 and self.seq == 0 and bool(self.pending_ids))
+        return ((self.marker_att is not None and bool(self.gw)) or (self.written_seq == 0 and self.seq == 0 and bool(self.pending.ids))
                 or any(f.final for f in self.unsent))
 
     def confirm(self, frozen: list[Frozen]) -> None:

@@ -404,7 +404,7 @@ class OutputWriter:
 def queued_outputs(states: dict[str, InFlight]) -> int:
     """Tokens and events waiting to be written (bounded like the engine's output buffer, so a
     long Redis outage pauses the engine instead of growing memory)."""
-    return sum(len(st.pending_ids) + len(st.unsent) for st in states.values())
+    return sum(len(st.pending.ids) + len(st.unsent) for st in states.values())
 
 
 def route(outputs: list[StepOutput], states: dict[str, InFlight]) -> None:
