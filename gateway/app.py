@@ -1,4 +1,10 @@
-"""Starlette application: `/v1/stream` WebSocket, health/readiness, metrics, the browser page."""
+"""Starlette application: the routes of both transports (`/v1/stream`: gateway.ws.endpoint; the
+OpenAI API and /tokenize: gateway.openai), health/readiness, metrics, the browser page.
+
+The hub (gateway.hub, the composition root) is built here and started by the lifespan, which
+then puts what the endpoints reach in the app's state: `websocket` (gateway.ws.endpoint's
+front), `http` (gateway.openai.front's), and `probe` (gateway.probe, for tests and operations).
+"""
 
 from __future__ import annotations
 
@@ -14,17 +20,14 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
-from starlette.websockets import WebSocket
 
 from gateway.auth import bearer_token
-from gateway import openai_api, tokenize_api
 from gateway.hub import Hub
+from gateway.openai import routes as openai_routes, tokenize
+from gateway.openai.errors import http_exception
 from gateway.settings import GatewaySettings
-from gateway.socket_io import (
-    CLOSE_POLICY, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN_LATER, SHUTDOWN_REASON, ExposeTransport, FrameSocket,
-)
-from shared.errors import ErrorCode, ProtocolError
-from shared.protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL, error_message
+from gateway.ws.endpoint import stream
+from gateway.ws.socket import ExposeTransport
 
 STATIC_DIR = Path(__file__).parent / "static"
 # The JS client SDK lives where its users look for it (clients/js); the page imports it from here.
@@ -33,41 +36,6 @@ try:
     VERSION = metadata.version("llm-stream")
 except metadata.PackageNotFoundError:   # run from a checkout that was never installed
     VERSION = "0+unknown"
-
-
-async def stream(ws: WebSocket) -> None:
-    hub: Hub = ws.app.state.hub
-    offered = ws.scope.get("subprotocols") or []
-    subprotocol = next((p for p in (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL) if p in offered), None)
-    binary = subprotocol == MSGPACK_SUBPROTOCOL
-    await ws.accept(subprotocol=subprotocol)
-    socket = FrameSocket(ws, binary=binary, metrics=hub.metrics)
-    socket.limit_send_buffer(hub.settings.socket_send_buffer)
-    claim = None
-    try:
-        if hub.draining:
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, SHUTDOWN_REASON)
-        hub.origins.check(ws.headers.get("origin"), ws.headers.get("host"))
-        claim = hub.socket_caps.open(ws.client.host if ws.client else "")
-        presented = bearer_token(ws.headers.get("authorization")) or ws.query_params.get("api_key")
-        # no key in the handshake: a browser may still send {type: "auth"} as its first message
-        key_id = hub.key_checker.identify(presented) if presented or not hub.key_checker.required else None
-        if key_id is not None:
-            claim.identify(key_id)
-    except ProtocolError as exc:
-        if claim is not None:
-            claim.close()
-        hub.metrics.rejections.labels(exc.code.value).inc()
-        # the typed error first: browsers cannot read close reasons reliably
-        await socket.close(REFUSAL_CLOSE_CODES.get(exc.code, CLOSE_POLICY), exc.code.value, last=error_message(exc))
-        return
-    try:
-        await hub.websocket_session(socket, key_id=key_id, claim=claim).run()
-    finally:
-        claim.close()
-
-
-REFUSAL_CLOSE_CODES = {ErrorCode.SHUTTING_DOWN: CLOSE_SERVICE_RESTART, ErrorCode.TOO_MANY_SOCKETS: CLOSE_TRY_AGAIN_LATER}
 
 
 async def healthz(request: Request) -> Response:
@@ -129,6 +97,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await hub.start()
+        app.state.websocket, app.state.http, app.state.probe = hub.websocket, hub.http, hub.probe
         try:
             yield
         finally:
@@ -137,8 +106,8 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
     app = Starlette(
         routes=[
             WebSocketRoute("/v1/stream", stream),
-            *openai_api.ROUTES,
-            *tokenize_api.ROUTES,
+            *openai_routes.ROUTES,
+            *tokenize.ROUTES,
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/health", health),
@@ -153,7 +122,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         lifespan=lifespan,
         middleware=[Middleware(ExposeTransport)],
         # 404 / 405 under /v1 in OpenAI's error JSON (SDKs parse it); plain text elsewhere, as before
-        exception_handlers={HTTPException: openai_api.http_exception},
+        exception_handlers={HTTPException: http_exception},
     )
     app.state.hub = hub
     return app

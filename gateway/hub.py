@@ -1,20 +1,21 @@
-"""Process-wide state of one gateway replica, shared by all its sessions, and where its parts
-are put together.
+"""The composition root of one gateway replica: where its parts are built and put together.
 
 Holds this replica's random id (`gw_id`: its inbox `p:{g:<gw_id>}:inbox` and liveness entry),
-the Redis clients, the inbox reader, the submitter, admission, the bookkeeper, metrics, the
-open sessions, and one housekeeping loop (liveness heartbeat and takeover of dead gateways'
-requests, orphan sweep, concurrency-lease refresh, slow-consumer and stall watchdogs). It is
-the composition root: it builds each session's parts with exactly the collaborators they need
-(`websocket_session`, `request_table`); no part receives the hub itself. Nothing here is needed
-by another replica: losing the process loses no request.
+the Redis clients, and the process-wide parts (inbox reader, submitter, admission, bookkeeper,
+router, metrics, the open sessions, the housekeeping duties). It builds what each transport
+gets, with exactly the collaborators it needs and never the hub itself:
+* the one request core (gateway.request_core) both transports start, resume and cancel with;
+* a WebSocket's session (`websocket_session`) and an HTTP request's (`http_session`), each a
+  request table and a `Sender` over the transport's `Writer`;
+* the fronts the endpoints reach (`WebSocketFront`, `HttpFront`) and the test/operations probe
+  (gateway.probe), which gateway.app puts in the app's state at start.
+Nothing here is needed by another replica: losing the process loses no request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 
 from redis.exceptions import RedisError
@@ -22,32 +23,35 @@ from redis.exceptions import RedisError
 from gateway.admission import Admission
 from gateway.auth import KeyChecker, OriginPolicy
 from gateway.bookkeeping import Bookkeeper
-from gateway.connection import Connection
-from gateway.dispatch import MessageHandler
 from gateway.heartbeats import HeartbeatWheel
+from gateway.housekeeping import Housekeeping, gateway_duties
 from gateway.inbox import Inbox
 from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
 from gateway.new_request import RequestStarter
+from gateway.openai.front import HttpFront
+from gateway.openai.session import HttpSession
+from gateway.openai.tokenize import WorkerAsk
+from gateway.probe import GatewayProbe
+from gateway.request_core import RequestCore
 from gateway.request_log import CancelWatch
 from gateway.requests import RequestTable
 from gateway.resume import Resumer
 from gateway.router import Router
 from gateway.sender import Sender, WakeEvent
-from gateway.session import Session
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
-from gateway.socket_caps import SocketCaps, SocketClaim
-from gateway.socket_io import FrameSocket
 from gateway.submit import Submitter
-from shared.aio import cancel_and_wait
+from gateway.ws.connection import Connection
+from gateway.ws.dispatch import MessageHandler
+from gateway.ws.endpoint import WebSocketFront
+from gateway.ws.socket import FrameSocket
+from gateway.ws.socket_caps import SocketCaps, SocketClaim
 from shared.backlog import read_backlog
 from shared.redis_client import connect
 from shared.streams import Keys
 
 log = logging.getLogger("gateway")
-
-BACKLOG_METRICS_S = 5.0
 
 
 class Hub:
@@ -65,7 +69,7 @@ class Hub:
         self.redis = None
         self.reader: Inbox | None = None
         self._reader_redis = None
-        self._housekeeping: asyncio.Task | None = None
+        self.housekeeping: Housekeeping | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -86,6 +90,7 @@ class Hub:
         self.router = Router(self.redis, self.keys, worker_ttl_s=s.worker_ttl_s, enabled=s.cache_routing)
         self.starter = RequestStarter(s, self.admission, self.submitter, self.bookkeeper, self.gw_id, self.router)
         self.resumer = Resumer(self.submitter)
+        self._build_fronts()
         try:
             await self.liveness.beat()
             if self.router.enabled:   # route from the first request, not from housekeeping's first tick
@@ -95,12 +100,32 @@ class Hub:
         self.reader.start()
         self.bookkeeper.start()
         self.heartbeats.start()
-        self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep(), name="gateway-housekeeping")
+        self.housekeeping.start()
         log.info("gateway %s started (inbox %s)", self.gw_id, self.keys.inbox(self.gw_id))
+
+    def _build_fronts(self) -> None:
+        """The request core over the parts, the duties, and what the endpoints and tests reach."""
+        s = self.settings
+        self.core = RequestCore(starter=self.starter, resumer=self.resumer, submitter=self.submitter,
+                                sessions=self.sessions, metrics=self.metrics)
+        self.housekeeping = Housekeeping(gateway_duties(
+            s, sessions=self.sessions, cancel_watch=self.cancel_watch, submitter=self.submitter,
+            liveness=self.liveness, router=self.router, metrics=self.metrics,
+            read_backlog=self._read_backlog_metrics), self.metrics)
+        self.websocket = WebSocketFront(core=self.core, key_checker=self.key_checker, origins=self.origins,
+                                        socket_caps=self.socket_caps, settings=s, metrics=self.metrics,
+                                        websocket_session=self.websocket_session)
+        self.http = HttpFront(core=self.core, key_checker=self.key_checker, settings=s, metrics=self.metrics,
+                              http_session=self.http_session,
+                              ask_worker=WorkerAsk(self.reader, self.router, self.submitter, self.gw_id))
+        self.probe = GatewayProbe(sessions=self.sessions, metrics=self.metrics, reader=self.reader,
+                                  router=self.router, submitter=self.submitter, socket_caps=self.socket_caps,
+                                  drain=self.drain)
 
     async def stop(self) -> None:
         await self.heartbeats.stop()
-        await cancel_and_wait(self._housekeeping)
+        if self.housekeeping:
+            await self.housekeeping.stop()
         if self.reader:
             await self.reader.stop()
         if self.redis:
@@ -123,17 +148,12 @@ class Hub:
     def draining(self) -> bool:
         return self.sessions.draining
 
-    @property
-    def connections(self) -> set[Session]:
-        """Every open session (WebSockets and HTTP responses)."""
-        return self.sessions.all
-
     async def drain(self, timeout: float = 5.0) -> None:
         await self.sessions.drain(timeout)
 
     async def _read_backlog_metrics(self) -> None:
         """The fleet as Redis shows it, for dashboards and alerts (one round trip every
-        BACKLOG_METRICS_S): the backlog admission reads, and the live workers."""
+        housekeeping.BACKLOG_METRICS_S): the backlog admission reads, and the live workers."""
         backlog = await read_backlog(self.redis, self.keys, self.settings.worker_ttl_s)
         # unknown (Redis cannot compute the group's lag): NaN, not a stale figure
         self.metrics.queue_depth.labels("queued").set(float("nan") if backlog.queued is None else backlog.queued)
@@ -152,54 +172,13 @@ class Hub:
         requests = self.request_table(wake)
         sender = Sender(socket, requests, wake, self.settings, self.metrics)
         handler = MessageHandler(socket, sender, requests, settings=self.settings, metrics=self.metrics,
-                                 key_checker=self.key_checker, starter=self.starter, resumer=self.resumer,
-                                 submitter=self.submitter, draining=lambda: self.sessions.draining,
-                                 key_id=key_id, claim=claim)
+                                 key_checker=self.key_checker, core=self.core, key_id=key_id, claim=claim)
         return Connection(socket, requests, sender, handler, self.sessions, self.metrics)
 
-    async def _housekeep(self) -> None:
-        s = self.settings
-        interval = max(0.05, min(s.sweep_interval_s, 1.0, s.gateway_heartbeat_s))
-        last_refresh = last_beat = time.monotonic()
-        last_backlog = 0.0
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            self.cancel_watch.expire(now)
-            stalled: list[str] = []
-            for conn in list(self.sessions.busy):
-                conn.check_slow(now)
-                if s.request_stall_s > 0:
-                    stalled += conn.end_stalled(now, s.request_stall_s)
-            try:
-                if stalled:
-                    self.metrics.stalled.inc(len(stalled))
-                    log.warning("ended %d request(s) with no progress for %gs", len(stalled), s.request_stall_s)
-                    for rid in stalled:       # a worker that wakes up must not go on for nobody
-                        if await self.submitter.cancel_if_here(rid):
-                            self.metrics.cancels.labels("stall").inc()
-                if now - last_beat >= s.gateway_heartbeat_s:
-                    last_beat = now
-                    await self.liveness.beat()
-                    for parked in (await self.liveness.take_over_dead()).values():
-                        self.metrics.taken_over.inc(parked)
-                if self.router.due(now):
-                    await self.router.refresh()
-                if now - last_backlog >= BACKLOG_METRICS_S:
-                    last_backlog = now
-                    await self._read_backlog_metrics()
-                cancelled = await self.submitter.sweep_orphans()
-                if cancelled:
-                    self.metrics.cancels.labels("orphan").inc(len(cancelled))
-                    log.info("cancelled %d orphaned request(s) after the resume grace", len(cancelled))
-                if now - last_refresh >= s.concurrency_lease_s / 3:
-                    last_refresh = now
-                    held: dict[str, list[str]] = {}
-                    for conn in list(self.connections):
-                        for key_id, rid in conn.held_slots():
-                            held.setdefault(key_id, []).append(rid)
-                    await self.submitter.refresh_leases(held)
-            except (RedisError, OSError) as exc:
-                log.warning("housekeeping: %s", exc)
-            except Exception:
-                log.exception("housekeeping failed")
+    def http_session(self) -> HttpSession:
+        """An HTTP request's session: its request table now (the request subscribes to its output
+        before it is queued), its sender once the response it writes to exists."""
+        wake = WakeEvent()       # set whenever the sender has something to do
+        requests = self.request_table(wake)
+        return HttpSession(requests, wake, self.sessions,
+                           sender_for=lambda out: Sender(out, requests, wake, self.settings, self.metrics))

@@ -17,6 +17,9 @@ TIMED_CANCEL_ORIGINS = ("client", "http_disconnect")
 # socket closes: the client's and the network's, then the server's usual reasons
 CLOSE_REASONS = ("client", "lost", ErrorCode.SLOW_CONSUMER.value, ErrorCode.SHUTTING_DOWN.value,
                  ErrorCode.UNAUTHORIZED.value, ErrorCode.INTERNAL.value)
+# the gateway's periodic duties (gateway.housekeeping), each with its own failure count
+HOUSEKEEPING_DUTIES = ("cancel_watch", "slow_consumers", "stalls", "liveness", "routing", "backlog", "orphans",
+                       "leases")
 RESUME_OUTCOMES = ("attached", ErrorCode.RESUME_EXPIRED.value, ErrorCode.RATE_LIMITED.value,
                    ErrorCode.BACKEND_UNAVAILABLE.value)
 
@@ -72,6 +75,9 @@ class GatewayMetrics:
                                         ["origin"], buckets=CANCEL_BUCKETS, registry=r)
         self.taken_over = Counter("gateway_orphans_taken_over", "requests of dead gateways this replica parked "
                                                                 "for resume", registry=r)
+        self.housekeeping_failures = Counter("gateway_housekeeping_failures", "housekeeping runs that failed, by "
+                                             "duty (each duty runs on its own; a failure only skips that duty's "
+                                             "run: see the log)", ["duty"], registry=r)
 
         self._zero_series()
 
@@ -93,6 +99,8 @@ class GatewayMetrics:
             self.socket_closes.labels(reason)
         for state in ("queued", "pending"):
             self.queue_depth.labels(state)
+        for duty in HOUSEKEEPING_DUTIES:
+            self.housekeeping_failures.labels(duty)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

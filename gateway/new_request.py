@@ -1,7 +1,6 @@
 """Starting a request, whatever the transport: server caps, admission, then one submit round
-trip that also takes the per-key rate and concurrency. The WebSocket handler (dispatch.py) and
-the OpenAI HTTP API (openai_api.py) both use the one `RequestStarter`, so a limit or a cap is
-enforced in one place.
+trip that also takes the per-key rate and concurrency. Both transports reach it through the one
+request core (gateway.request_core), so a limit or a cap is enforced in one place.
 
 Raises `ProtocolError` (with the client's id) for a refusal; nothing is left behind then. On
 success the request is open in `requests` (subscribed to its output before it was queued) and
@@ -10,8 +9,8 @@ holds a per-key concurrency slot until its `done`.
 Idempotency: a generate may carry the client's `idempotency_key`. The submit script records which
 request a key started (per API key; anonymous clients share one namespace, where the key itself
 is the secret, so it must be at least 32 characters: 128 bits); a second generate with the same
-key within OUTPUT_TTL_S starts nothing and raises `AlreadyStarted`, and the transport attaches
-the client to the first request like a resume from 0. That is how a client that re-sends a
+key within OUTPUT_TTL_S starts nothing and raises `AlreadyStarted`, and the request core
+attaches the client to the first request like a resume from 0. That is how a client that re-sends a
 `generate` whose `accepted` was lost with its gateway gets one request, not two.
 """
 
@@ -26,7 +25,7 @@ from redis.exceptions import RedisError
 from gateway.admission import Admission
 from gateway.auth import ANONYMOUS, is_anonymous
 from gateway.bookkeeping import Bookkeeper
-from gateway.request_state import RequestState
+from gateway.request_state import Phase, RequestState
 from gateway.requests import RequestTable
 from gateway.router import Router
 from gateway.settings import GatewaySettings
@@ -134,7 +133,7 @@ class RequestStarter:
             requests.drop(req)
             log.debug("request %s not started: its idempotency key started %s", rid, first, extra=rid_of(first))
             raise AlreadyStarted(first)
-        req.slot_held = True
+        req.advance(Phase.STARTED)
         log.debug("request %s queued for %s as %r (%d prompt chars, max_tokens %d)", rid, key_id, cid,
                   msg.prompt_chars(), max_tokens, extra=rid_of(rid))
         return req

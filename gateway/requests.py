@@ -35,7 +35,7 @@ from gateway.frames import done_frame
 from gateway.inbox import Inbox
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import CancelWatch, cancel_confirmed, log_finished
-from gateway.request_state import RequestState
+from gateway.request_state import Phase, RequestState
 from gateway.settings import GatewaySettings
 from shared.errors import ErrorCode
 from shared.events import AttachMarker, DoneEvent, ErrEvent, Event, HistoryEvent, TokEvent
@@ -94,7 +94,6 @@ class RequestTable:
         """Forget a request that was never accepted (its submit was refused or failed)."""
         self._detach(req)
         self._by_id.pop(req.client_id, None)
-        req.slot_held = False
 
     def finish(self, req: RequestState) -> Done:
         """The request's output is all sent: forget it here and build its `done`. Its Redis
@@ -109,7 +108,6 @@ class RequestTable:
                   done.seq, extra=rid_of(req.rid))
         self._detach(req)
         self._by_id.pop(req.client_id, None)
-        req.slot_held = False
         self.bookkeeper.request_ended(req.key_id, req.rid)
         return done
 
@@ -118,10 +116,9 @@ class RequestTable:
         concurrency slots stay taken until they really end (a reconnect loop cannot bypass the limit)."""
         orphans: list[tuple[str, int]] = []
         for req in list(self._by_id.values()):
-            moved = req.sub is not None and req.sub.closed    # resumed on another session of this replica
+            moved = req.moved      # (before the detach, which closes its subscription here)
             unfinished = not req.finished
             self._detach(req)
-            req.slot_held = False
             if not req.cancel_requested and not moved:
                 orphans.append((req.rid, req.att))
             elif req.cancel_origin is not None and unfinished and not moved:
@@ -143,7 +140,7 @@ class RequestTable:
                 timer.cancel()
         req.cancel_timer = req.attach_timer = None
         if not req.finished:
-            req.finished = True
+            req.advance(Phase.ENDED)
             self.metrics.active_requests.dec()
 
     # ------------------------------------------------------------------ ended here
@@ -171,8 +168,7 @@ class RequestTable:
         alike) with a retryable `stalled` error; returns them so the caller cancels them."""
         stalled = []
         for req in self._by_id.values():
-            moved = req.sub is not None and req.sub.closed     # resumed on another session of this replica
-            if (req.final is None and not req.finished and req.accepted and not moved
+            if (req.final is None and req.streaming and not req.moved
                     and now - req.progress_at > stall_s):
                 req.join.end_here(ErrEvent.here(
                     req.rid, req.join.delivered, ErrorCode.STALLED,

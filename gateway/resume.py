@@ -1,5 +1,5 @@
 """`resume`: re-attach a request started on an earlier connection (any replica) to this one,
-exactly. A WebSocket `resume` and an SSE reconnect with `Last-Event-ID` (openai_api.py) both
+exactly. A WebSocket `resume` and an SSE reconnect with `Last-Event-ID` (gateway.openai.routes) both
 come here (`reattach`).
 
 Authorization and the attach both live here, so what a resume may see is decided in one place:
@@ -33,7 +33,7 @@ from typing import Callable
 from redis.exceptions import RedisError
 
 from gateway.auth import may_resume
-from gateway.request_state import RequestState
+from gateway.request_state import Phase, RequestState
 from gateway.requests import RequestTable
 from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
@@ -91,7 +91,7 @@ class Resumer:
         except (RedisError, OSError):
             requests.drop(req)
             raise
-        req.slot_held = True
+        req.advance(Phase.STARTED)
         log.debug("request %s resumed here as %r after seq %d (owner %s)", rid, cid, msg.last_seq, owner or "none",
                   extra=rid_of(rid))
         accept(req)

@@ -1,4 +1,5 @@
-"""The one task that writes to a socket: control frames, due chunks, `done`, heartbeats, the close.
+"""The one task that writes to a session's `Writer` (gateway.writer: a WebSocket, or an OpenAI
+HTTP response): control frames, due chunks, `done`, heartbeats, the close.
 
 Each pass sends queued control frames, then every request buffer that is due (the flush policy
 is flusher.py's), then `done` once a finished request's buffer is empty; an idle socket gets a
@@ -31,7 +32,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.settings import GatewaySettings
-from gateway.socket_io import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, FrameSocket, Payload
+from gateway.writer import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Payload, Writer
 from shared.aio import cancel_and_wait, wait_event
 from shared.errors import ErrorCode
 from shared.protocol import Error, Heartbeat
@@ -53,7 +54,7 @@ class WakeEvent(asyncio.Event):
 
 
 class Sender:
-    def __init__(self, socket: FrameSocket, requests: RequestTable, wake: WakeEvent, settings: GatewaySettings,
+    def __init__(self, socket: Writer, requests: RequestTable, wake: WakeEvent, settings: GatewaySettings,
                  metrics: GatewayMetrics):
         self.socket = socket
         self.requests = requests
@@ -210,7 +211,7 @@ class Sender:
                 while self._control:
                     await socket.send_payload(self._pop())
             for req in self.requests.values():
-                if req.accepted and not req.finished:
+                if req.streaming:
                     # closing: hand over everything buffered, so a resume has least to replay
                     await self._flush_request(req, float("inf") if closing else now)
             if closing:
@@ -232,7 +233,7 @@ class Sender:
         for req in self.requests.values():
             # only what a pass can send: a request's first event may arrive before its `accepted`
             # is queued (the worker is fast), and must not turn this loop into a busy one
-            if not req.accepted or req.finished:
+            if not req.streaming:
                 continue
             d = req.buffer.deadline()
             if d is not None and (soonest is None or d < soonest):
@@ -255,7 +256,6 @@ class Sender:
         elif req.last_sent is not None:
             m.inter_chunk.observe(now - req.last_sent)
         if not req.meaningful_sent and pending.text.strip():
-            req.meaningful_sent = True
             req.meaningful_at = now
             if not req.resumed:
                 m.ttfmt.observe(now - req.started)

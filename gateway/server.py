@@ -1,9 +1,9 @@
 """uvicorn wiring: WebSocket ping/timeout from settings, and a drain before uvicorn's own shutdown.
 
 uvicorn's shutdown closes every WebSocket with 1012 at once and gives the application no say;
-`GatewayServer.shutdown` first stops listening, then lets the hub send each client a typed
-SHUTTING_DOWN error and a close reason telling it to reconnect and `resume`, and only then
-hands over to uvicorn.
+`GatewayServer.shutdown` first stops listening, then drains the gateway (gateway.probe's
+`drain`: each client gets a typed SHUTTING_DOWN error and a close reason telling it to reconnect
+and `resume`), and only then hands over to uvicorn.
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ class GatewayServer(uvicorn.Server):
         for server in self.servers:
             server.close()
         app = self.config.loaded_app
-        hub = _find_hub(app)
-        if hub is not None:
-            await hub.drain()
+        probe = _find_probe(app)
+        if probe is not None:
+            await probe.drain()
         await super().shutdown(sockets)
 
 
-def _find_hub(app):
+def _find_probe(app):
     # uvicorn wraps the app in middleware proxies; follow `.app` down to the Starlette instance
     for _ in range(8):
         state = getattr(app, "state", None)
-        if state is not None and hasattr(state, "hub"):
-            return state.hub
+        if state is not None and hasattr(state, "probe"):
+            return state.probe
         app = getattr(app, "app", None)
         if app is None:
             return None

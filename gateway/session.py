@@ -1,5 +1,5 @@
-"""What every client session is to the rest of the gateway: a WebSocket (gateway.connection) or
-one HTTP response (gateway.openai_api), each streaming requests.
+"""What every client session is to the rest of the gateway: a WebSocket (gateway.ws.connection)
+or one HTTP response (gateway.openai.session), each streaming requests.
 
 Why a protocol of its own, in a module that imports nothing of the gateway: the process-wide
 parts (heartbeat wheel, slow-consumer and stall watchdogs, lease refresh, drain) act on every

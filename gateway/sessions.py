@@ -1,9 +1,9 @@
 """The open sessions of this replica, and what both transports share.
 
-Both a WebSocket (gateway.connection) and an HTTP response (gateway.openai_api) are a
-`StreamingSession`: a frame writer (a `FrameSocket`, or the response that plays one), a request
-table and the one sender; they differ only in how requests come in. `Sessions` is the registry
-the hub's watchdogs and drain walk.
+Both a WebSocket (gateway.ws.connection) and an HTTP response (gateway.openai.session) are a
+`StreamingSession`: a `Writer` (gateway.writer: a `FrameSocket`, or the OpenAI response), a
+request table and the one sender; they differ only in how requests come in. `Sessions` is the
+registry the housekeeping watchdogs and the drain walk.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from gateway.heartbeats import HeartbeatWheel
 from gateway.requests import RequestTable
 from gateway.sender import Sender
 from gateway.session import Session
-from gateway.socket_io import CLOSE_SERVICE_RESTART, SHUTDOWN_REASON
+from gateway.writer import CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, Writer
 from shared.errors import ErrorCode
 from shared.protocol import Error
 
@@ -62,15 +62,24 @@ class Sessions:
 
 
 class StreamingSession:
-    """What both transports share: the writer, the request table and the sender over them."""
+    """What both transports share: the writer, the request table and the sender over them. A
+    WebSocket has its writer from the start; an HTTP session gets its response when it streams."""
 
-    def __init__(self, socket, requests: RequestTable, sender: Sender, sessions: Sessions):
-        self.socket = socket
+    socket: Writer
+    sender: Sender
+
+    def __init__(self, requests: RequestTable, sessions: Sessions, socket: Writer | None = None,
+                 sender: Sender | None = None):
         self.requests = requests
-        self.sender = sender
         self.sessions = sessions
         self.closed = False
-        sender.on_running = lambda running: sessions.running(self, running)
+        if socket is not None and sender is not None:
+            self._attach(socket, sender)
+
+    def _attach(self, socket: Writer, sender: Sender) -> None:
+        self.socket = socket
+        self.sender = sender
+        sender.on_running = lambda running: self.sessions.running(self, running)
 
     @property
     def last_send(self) -> float:

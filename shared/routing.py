@@ -12,7 +12,10 @@ user message (the system prompt and the conversation's opening), so every turn o
 conversation, which resends its history, lands where that history is cached; for a raw prompt,
 its first ROUTE_PREFIX_CHARS characters. Conversations that share a long system prompt but not
 their opening spread over the workers (each computes the system prompt once, then keeps it
-cached) instead of all landing on one. Only a preference: the worker that reads an entry
+cached) instead of all landing on one: each message of the opening counts on its own (its
+first and last ROUTE_PREFIX_CHARS characters and its length), so a system prompt of any length
+cannot push the first user message out of the key, and the hashing work stays bounded per
+message. Only a preference: the worker that reads an entry
 routed to another live worker with room hands it over (worker.intake), and anything else (no
 route, its worker dead or full) runs wherever it is read.
 """
@@ -32,13 +35,24 @@ def route_key(explicit: str | None, prompt: str | None, messages: list[dict] | N
     if prompt is not None:
         text = prompt
     else:
-        opening = []
+        digest = hashlib.blake2b(digest_size=16)
         for m in messages or ():
-            opening.append(f"{m.get('role')}\x1f{m.get('content')}\x1e")
+            digest.update(_message_part(m))
             if m.get("role") == "user":
                 break       # the conversation's first user message: later turns only add after it
-        text = "".join(opening)
+        return "p:" + digest.hexdigest()
     return "p:" + hashlib.blake2b(text[:ROUTE_PREFIX_CHARS].encode(), digest_size=16).hexdigest()
+
+
+def _message_part(message: dict) -> bytes:
+    """One opening message's share of the key: its role, the head and tail of its content and
+    the content's length (a long message is told apart by its ends, at a bounded cost)."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else repr(content)   # parts: their repr, as before
+    size = len(text)
+    if size > 2 * ROUTE_PREFIX_CHARS:
+        text = text[:ROUTE_PREFIX_CHARS] + "\x1d" + text[-ROUTE_PREFIX_CHARS:]
+    return f"{message.get('role')}\x1f{size}\x1f{text}\x1e".encode()
 
 
 def rendezvous(key: str, workers: Iterable[str]) -> list[str]:

@@ -275,10 +275,16 @@ class InProcessGateway:
         self.settings = settings
         self.port = free_port()
         self.app = create_app(settings)
-        self.hub = self.app.state.hub
         config = build_config(settings, self.app, port=self.port)
         self.server = GatewayServer(config)
         self.task: asyncio.Task | None = None
+
+    @property
+    def probe(self):
+        """The gateway's documented window for tests and operations (gateway.probe.GatewayProbe):
+        counts, /metrics samples, drain(), routing's worker snapshot, fault injection. Tests use
+        it (or the public API) and never the gateway's parts; it exists once the gateway started."""
+        return self.app.state.probe
 
     @property
     def base(self) -> str:

@@ -87,7 +87,7 @@ async def test_page_connects_on_load_and_has_a_favicon(redis_server, browser_sta
             await page.goto(gw.base + "/")
             await expect(page.locator("#conn")).to_have_text("connected", timeout=15000)
             await expect(page.locator("#conn")).to_have_class(re.compile(r"\bon\b"))
-            assert gw.hub.metrics.registry.get_sample_value("gateway_active_sockets") == 1
+            assert gw.probe.metric("gateway_active_sockets") == 1
             assert await page.locator(".msg").count() == 0          # nothing sent yet
             status, kind, size = await page.evaluate(
                 "fetch('/favicon.ico').then(async r => [r.status, r.headers.get('content-type'), "

@@ -44,7 +44,7 @@ async def test_requests_with_one_key_run_on_one_worker_and_survive_its_death(red
     prefix, procs = two_workers
     keys = Keys(prefix)
     async with gateway_in_process(gateway_settings(redis_server.url, prefix)) as gw:
-        assert await eventually(lambda: len(gw.hub.router.workers) == 2, timeout=10)
+        assert await eventually(lambda: len(gw.probe.routed_workers) == 2, timeout=10)
         c = await GatewayClient.connect(gw.ws_url)
         by_key: dict[str, list[str]] = {}
         for key in ("conversation-1", "conversation-2", "tenant-system-prompt"):

@@ -76,29 +76,17 @@ async def test_lone_surrogates_anywhere_get_invalid_request_and_the_socket_lives
 async def test_a_failing_sender_closes_the_socket_with_a_typed_error(redis_server, stream_prefix):
     """Fault injection: the first send on the socket raises. The client must get `internal`
     and a close, never an open socket that stays silent."""
-    from gateway.socket_io import FrameSocket
-
     async with gateway_in_process(gateway_settings(redis_server.url, stream_prefix, heartbeat_s=0.2)) as gw:
         c = await GatewayClient.connect(gw.ws_url)
-        await eventually(lambda: gw.hub.connections, timeout=1)
-        conn = next(iter(gw.hub.connections))
-        real = FrameSocket.send_payload
-        failed = []
-
-        async def broken_once(self, payload):
-            if not failed:
-                failed.append(payload)
-                raise ValueError("injected encoder bug")
-            await real(self, payload)
-
-        conn.socket.send_payload = broken_once.__get__(conn.socket)
+        await eventually(lambda: gw.probe.sessions, timeout=1)
+        failed = gw.probe.fail_next_send(ValueError("injected encoder bug"))
         await c.send(type="ping", nonce="x")
         reply = await c.recv_any(timeout=5)
         assert reply["type"] == "error" and reply["code"] == "internal" and reply["retryable"] is True
         assert await closed_with(c) == 1011
-        assert failed and gw.hub.metrics.sender_failures._value.get() == 1
-        await eventually(lambda: not gw.hub.connections, timeout=2)
-        assert not gw.hub.connections
+        assert failed and gw.probe.metric("gateway_sender_failures_total") == 1
+        await eventually(lambda: gw.probe.sessions == 0, timeout=2)
+        assert gw.probe.sessions == 0
 
 
 # ---------------------------------------------------------------------------- item 3: typing, Origin
@@ -172,7 +160,7 @@ async def test_a_fast_pipelining_client_is_slowed_not_cut_off(redis_server, stre
         replies = [await c.recv_any(timeout=30) for _ in range(n)]
         await sender
         assert [r["nonce"] for r in replies] == list(range(n))
-        assert gw.hub.metrics.slow_consumers._value.get() == 0
+        assert gw.probe.metric("gateway_slow_consumer_closes_total") == 0
         await c.close()
 
 
@@ -191,13 +179,13 @@ async def test_a_client_that_stops_reading_holds_bounded_control_bytes_and_is_cl
 
         def closed_as_slow() -> bool:            # the control queue's size sampled meanwhile
             nonlocal peak
-            peak = max(peak, gw.hub.metrics.control_queue_bytes._value.get())
-            return gw.hub.metrics.slow_consumers._value.get() >= 1
+            peak = max(peak, gw.probe.metric("gateway_control_queue_bytes"))
+            return gw.probe.metric("gateway_slow_consumer_closes_total") >= 1
         assert await eventually(closed_as_slow, timeout=30, interval=0.01)
-        assert gw.hub.metrics.slow_consumers._value.get() == 1
+        assert gw.probe.metric("gateway_slow_consumer_closes_total") == 1
         assert 0 < peak <= bound, peak
-        await eventually(lambda: not gw.hub.connections, timeout=10)     # the socket is really gone on the server
-        assert not gw.hub.connections and gw.hub.metrics.control_queue_bytes._value.get() == 0
+        await eventually(lambda: gw.probe.sessions == 0, timeout=10)     # the socket is really gone on the server
+        assert gw.probe.sessions == 0 and gw.probe.metric("gateway_control_queue_bytes") == 0
         await flooder
         assert await asyncio.to_thread(read_until_reset, sock), "the server did not drop the connection"
         sock.close()
@@ -221,7 +209,7 @@ async def test_sockets_per_address_and_per_key_are_capped(redis_server, stream_p
         assert err["code"] == "too_many_sockets"
         await closed_with(browser)
         await a.close()
-        await eventually(lambda: gw.hub.socket_caps.by_key.get("team", 0) < 2, timeout=2)
+        await eventually(lambda: gw.probe.sockets_of_key("team") < 2, timeout=2)
         c = await GatewayClient.connect(gw.ws_url, headers=headers)                  # a slot is free again
         await assert_alive(c)
         d = await GatewayClient.connect(gw.ws_url)                                   # 3rd of the address (b, c, d)
@@ -287,7 +275,7 @@ async def test_anonymous_sockets_have_their_own_identity_and_resume_by_request_i
         b = await GatewayClient.connect(gw.ws_url)
         rid_a = await start(a, "same")
         await start(b, "same")            # per-key concurrency 1: anonymous sockets do not share a key
-        ids = {r.key_id for conn in gw.hub.connections for r in conn.requests.values()}
+        ids = {key_id for key_id, _ in gw.probe.requests()}
         assert len(ids) == 2 and all(i.startswith("anon:") for i in ids)
         await a.close()
         c = await GatewayClient.connect(gw.ws_url)
@@ -338,13 +326,13 @@ async def test_a_request_without_progress_ends_stalled_and_retryable(redis_serve
         c = await GatewayClient.connect(gw.ws_url)
         t0 = time.monotonic()
         rid = await start(c, "s")
-        key_id = next(r.key_id for conn in gw.hub.connections for r in conn.requests.values())
+        key_id = next(key_id for key_id, _ in gw.probe.requests())
         chunks, done = await c.until_done("s", timeout=10)
         waited = time.monotonic() - t0
         assert not chunks and done["type"] == "done" and done["finish_reason"] == "error"
         assert done["error"]["code"] == "stalled" and done["error"]["retryable"] is True
         assert 0.5 <= waited < 5, waited
-        assert gw.hub.metrics.stalled._value.get() == 1
+        assert gw.probe.metric("gateway_stalled_requests_total") == 1
         # a late worker will not run it (the cancel is written by housekeeping, beside the `done`)
         assert await eventually(lambda: redis_client.exists(Keys(stream_prefix).cancel(rid)), timeout=5)
         async def slot_free() -> bool:
@@ -409,7 +397,7 @@ async def test_draining_readyz_503_and_shutting_down(redis_server, stream_prefix
         c = await GatewayClient.connect(gw.ws_url)
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert await eventually(lambda: is_ready(http), timeout=5, interval=0.05)
-            drain = asyncio.create_task(gw.hub.drain(timeout=5))
+            drain = asyncio.create_task(gw.probe.drain(timeout=5))
             err = await c.recv_any(timeout=5)
             assert err["type"] == "error" and err["code"] == "shutting_down" and err["retryable"] is True
             assert await closed_with(c) == 1012

@@ -117,14 +117,15 @@ async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server,
             gateway_in_process(settings(stack)) as gw_b:
         queued: list[str] = []
         dead = asyncio.Event()
-        real_submit = gw_a.hub.submitter.submit
 
-        async def submit_then_die(entry, **kwargs):
-            await real_submit(entry, **kwargs)
-            queued.append(entry.rid)
-            await dead.wait()                      # the reply never comes back while A "lives"
+        def submit_then_die(real_submit):
+            async def submit(entry, **kwargs):
+                await real_submit(entry, **kwargs)
+                queued.append(entry.rid)
+                await dead.wait()                      # the reply never comes back while A "lives"
+            return submit
 
-        gw_a.hub.submitter.submit = submit_then_die
+        gw_a.probe.intercept_submit(submit_then_die)
         before = await entries(redis_client, stack)
         clients = [StreamClient([gw_a.ws_url, gw_b.ws_url], api_key=KEY_A, backoff_base_s=0.05) for _ in range(4)]
         try:
@@ -134,8 +135,7 @@ async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server,
             gens = [client.generate(f"q{i}-{j}", max_tokens=30 + 2 * i + j)
                     for i, client in enumerate(clients) for j in range(2)]
             assert await eventually(lambda: len(queued) == len(clients), timeout=20)
-            for session in list(gw_a.hub.sessions.all):
-                session.socket.ws.scope["llm_stream.transport"].abort()     # the gateway is gone
+            gw_a.probe.drop_connections()          # the gateway is gone
             texts = await asyncio.wait_for(asyncio.gather(*(g.collect() for g in gens)), 60)
         finally:
             dead.set()

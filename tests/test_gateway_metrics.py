@@ -17,7 +17,7 @@ STACK = StackSpec("w-gm", synthetic=True)
 
 
 def value(gw, name: str, **labels) -> float:
-    return gw.hub.metrics.registry.get_sample_value(name, labels or None) or 0.0
+    return gw.probe.metric(name, labels)
 
 
 async def test_request_cancel_resume_and_close_metrics(make_settings):

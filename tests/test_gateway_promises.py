@@ -44,10 +44,10 @@ async def test_a_client_that_stops_reading_is_closed_as_slow_consumer(make_setti
         t0 = time.monotonic()
         _, _, done = await run(other, "fast", max_tokens=50)
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
-        assert await eventually(lambda: gw.hub.metrics.slow_consumers._value.get() >= 1, timeout=90, interval=0.1), \
+        assert await eventually(lambda: gw.probe.metric("gateway_slow_consumer_closes_total") >= 1, timeout=90, interval=0.1), \
             "the non-reading client was never closed"
-        assert gw.hub.metrics.slow_consumers._value.get() == 1
-        assert await eventually(lambda: len(gw.hub.connections) == 1, timeout=5)   # only the reading client remains
+        assert gw.probe.metric("gateway_slow_consumer_closes_total") == 1
+        assert await eventually(lambda: gw.probe.sessions == 1, timeout=5)   # only the reading client remains
         print(f"non-reading client dropped after {time.monotonic() - t0:.1f}s")
         sock.close()
         await other.close()

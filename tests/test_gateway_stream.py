@@ -107,13 +107,13 @@ async def test_a_first_token_that_beats_accepted_does_not_freeze_the_gateway(mak
     send yet, and must wait for `accepted` instead of spinning without yielding (which froze the
     whole gateway: found by bench/fanout.py)."""
     async with gateway_in_process(make_settings(flush_interval_ms=30)) as gw:
-        real_submit = gw.hub.submitter.submit
+        def slow_reply(real_submit):
+            async def submit(entry, **kwargs):
+                await real_submit(entry, **kwargs)
+                await asyncio.sleep(0.5)     # the reply is late: the worker's first tokens arrive first
+            return submit
 
-        async def slow_reply(entry, **kwargs):
-            await real_submit(entry, **kwargs)
-            await asyncio.sleep(0.5)     # the reply is late: the worker's first tokens arrive first
-
-        gw.hub.submitter.submit = slow_reply
+        gw.probe.intercept_submit(slow_reply)
         c = await GatewayClient.connect(gw.ws_url)
         await c.generate("f1", max_tokens=16, timeout=10)
         chunks, done = await c.until_done("f1", timeout=30)
@@ -161,7 +161,7 @@ async def test_client_disconnect_mid_stream_cancels_the_generation(make_settings
         assert final["k"] == "done" and final["finish_reason"] == "cancelled"
         assert final["seq"] < LONG
         # the socket's concurrency slot and request are gone from this replica
-        assert await eventually(lambda: not gw.hub.connections, timeout=2.5)
+        assert await eventually(lambda: gw.probe.sessions == 0, timeout=2.5)
 
 
 async def test_disconnect_then_resume_on_another_replica_loses_nothing(make_settings, redis_client, stack):
@@ -236,9 +236,9 @@ async def test_slow_client_is_cut_off_without_slowing_others(make_settings):
         assert done["type"] == "done" and done["finish_reason"] in ("length", "stop")
         fast_s = time.monotonic() - t0
         await asyncio.wait_for(flooder, 60)
-        assert await eventually(lambda: gw.hub.metrics.slow_consumers._value.get() >= 1, timeout=10)
-        assert gw.hub.metrics.slow_consumers._value.get() == 1
-        assert len(gw.hub.connections) == 1                  # only the fast client remains
+        assert await eventually(lambda: gw.probe.metric("gateway_slow_consumer_closes_total") >= 1, timeout=10)
+        assert gw.probe.metric("gateway_slow_consumer_closes_total") == 1
+        assert gw.probe.sessions == 1                  # only the fast client remains
         print(f"fast client finished 200 tokens in {fast_s:.2f}s next to a non-reading client")
         await fast.close()
 
@@ -263,7 +263,7 @@ async def test_heartbeats_on_idle_socket_and_dead_client_detected(make_settings,
             b'{"type":"generate","id":"z","prompt":"hello","max_tokens":%d,"temperature":0}' % LONG))
         await writer.drain()
         def its_rid() -> str | None:
-            return next((r.rid for conn in gw.hub.connections for r in conn.requests.values()), None)
+            return next((rid for _, rid in gw.probe.requests()), None)
         assert await eventually(its_rid, timeout=2)
         rid = its_rid()
         final = await wait_final(redis_client, stack, rid, timeout=20)
@@ -281,7 +281,7 @@ async def test_per_key_concurrency_is_shared_across_replicas_and_rate_limit(make
     headers = {"Authorization": "Bearer sk-team"}
     async with gateway_in_process(settings) as gw_a, gateway_in_process(settings) as gw_b:
         for gw in (gw_a, gw_b):                    # one fixed rate window (a clock minute) for the whole test
-            gw.hub.submitter.clock = lambda: 600.0
+            gw.probe.set_rate_clock(lambda: 600.0)
         a = await GatewayClient.connect(gw_a.ws_url, headers=headers)
         b = await GatewayClient.connect(gw_b.ws_url, headers=headers)
         await a.generate("k1", max_tokens=LONG)

@@ -252,7 +252,7 @@ async def test_draining_gateway_ends_the_sse_stream_resumably(redis_server, oai_
                 async for line in resp.aiter_lines():
                     lines.append(line)
                     if drain is None and line == "" and len(sse_events(lines)) >= 3:
-                        drain = asyncio.create_task(gw_a.hub.drain())
+                        drain = asyncio.create_task(gw_a.probe.drain())
         await drain
         events = sse_events(lines)
         assert json.loads(events[-1][1])["error"]["code"] == "shutting_down", events[-1]

@@ -28,7 +28,7 @@ import pytest
 from openai import AsyncOpenAI, AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
-from gateway.openai_api import OpenAIResponse
+from gateway.openai.response import OpenAIResponse
 from shared.streams import Keys
 from tests.gateway_client import eventually
 from tests.stack_fixtures import StackSpec, gateway_in_process, gateway_settings, prefix_with_worker, worker_stack

@@ -27,7 +27,7 @@ import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI
 
-from gateway.openai_api import _CHAT_NEUTRAL, _COMMON_NEUTRAL, _COMPLETION_NEUTRAL, IGNORED
+from gateway.openai.schema import _CHAT_NEUTRAL, _COMMON_NEUTRAL, _COMPLETION_NEUTRAL, IGNORED
 from shared.streams import Keys
 from tests.gateway_client import eventually
 from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker

@@ -1,4 +1,4 @@
-"""vLLM's `POST /tokenize` and `POST /detokenize` (gateway.tokenize_api): a request/reply over
+"""vLLM's `POST /tokenize` and `POST /detokenize` (gateway.openai.tokenize): a request/reply over
 Redis with a live worker, answered by its engine's tokenizer and prompt building.
 
 Real Redis, an in-process gateway, a worker process on the tiny model (SmolLM2's real
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from gateway import tokenize_api
+from gateway.openai import tokenize as tokenize_api
 from shared.streams import Keys
 from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker
 from worker.engine import build_prompt_ids
@@ -53,7 +53,7 @@ async def test_a_prompt_gets_the_worker_tokenizers_ids(redis_server, tok_stack, 
         # and back: /detokenize gives the text again
         r = await post(gw, "/detokenize", {"model": MODEL, "tokens": want})
         assert r.status_code == 200 and r.json() == {"prompt": PROMPT}, r.text
-        assert gw.hub.reader.active_streams == 0      # every one-shot reply subscription is gone
+        assert gw.probe.subscriptions == 0      # every one-shot reply subscription is gone
 
 
 async def test_a_chat_gets_exactly_the_ids_a_generate_runs(redis_server, tok_stack, tokenizer):
@@ -88,7 +88,7 @@ async def test_a_chat_gets_exactly_the_ids_a_generate_runs(redis_server, tok_sta
                 text = tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True)
                 want = tokenizer(text, add_special_tokens=True)["input_ids"]
             assert r.json()["tokens"] == list(want), options
-        assert gw.hub.reader.active_streams == 0
+        assert gw.probe.subscriptions == 0
 
 
 def _error(r: httpx.Response, status: int, code: str, param: str | None) -> dict:
@@ -119,7 +119,7 @@ async def test_bad_requests_are_typed_400s_naming_their_parameter(redis_server, 
         for bad in (-1, len(tokenizer), 2**40):
             error = _error(await post(gw, "/detokenize", {"tokens": [1, bad]}), 400, "invalid_request", "tokens")
             assert str(bad) in error["message"]
-        assert gw.hub.reader.active_streams == 0
+        assert gw.probe.subscriptions == 0
 
 
 async def test_api_keys_are_checked(redis_server, tok_stack):
@@ -139,7 +139,7 @@ async def test_no_worker_alive_is_a_503_with_retry_after(redis_server, redis_cli
             r = await post(gw, path, body)
             _error(r, 503, "overloaded", None)
             assert r.headers["Retry-After"] == "1"
-        assert gw.hub.reader.active_streams == 0
+        assert gw.probe.subscriptions == 0
     assert not [k for k in await redis_client.keys(f"{prefix}:*") if b":{w:" in k]
 
 
@@ -155,12 +155,12 @@ async def test_a_worker_that_never_answers_is_a_503_and_leaves_nothing_behind(re
         error = _error(await post(gw, "/tokenize", {"prompt": "x"}), 503, "stalled", None)
         assert "mute" in error["message"]
         assert await redis_client.xlen(keys.ctl("mute")) == 1
-        assert gw.hub.reader.active_streams == 0
+        assert gw.probe.subscriptions == 0
         # it deregisters (one DEL of its hash and control stream); a snapshot that still lists it
         # sends it nothing: no control stream is made again for it
         await redis_client.delete(keys.worker("mute"), keys.ctl("mute"))
-        gw.hub.router.refreshed_at = time.monotonic() + 3600     # the snapshot still lists it
-        assert [w.worker_id for w in await gw.hub.router.live()] == ["mute"]
+        gw.probe.keep_worker_snapshot(3600)     # the snapshot still lists it
+        assert await gw.probe.live_workers() == ["mute"]
         _error(await post(gw, "/detokenize", {"tokens": [1]}), 503, "overloaded", None)
         assert not await redis_client.exists(keys.ctl("mute"))
-        assert gw.hub.reader.active_streams == 0
+        assert gw.probe.subscriptions == 0

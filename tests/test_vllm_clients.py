@@ -43,7 +43,7 @@ async def test_health_and_version(redis_server, vllm_stack):
                 assert r.status_code == 200 and r.json() == {"status": "ok"}, path
             version = (await http.get("/version")).json()
             assert isinstance(version["version"], str) and version["version"]
-            await gw.hub.drain(timeout=5)          # what SIGTERM starts: load balancers must stop sending
+            await gw.probe.drain(timeout=5)          # what SIGTERM starts: load balancers must stop sending
             r = await http.get("/health")
             assert r.status_code == 503 and r.json() == {"status": "draining"}
 

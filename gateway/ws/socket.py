@@ -2,7 +2,7 @@
 
 The encoding (JSON text or msgpack binary) is fixed at the handshake; everything above this
 module deals in `shared/protocol.py` models, never in bytes. `send_started` is set while a send
-is in progress, so a watchdog can tell a client that stopped reading (see sender.py).
+is in progress, so a watchdog can tell a client that stopped reading (see gateway/sender.py).
 
 ASGI has no "abort": a close frame queued behind megabytes a client never reads is never
 delivered, and uvicorn's close waits for the write buffer to drain. `ExposeTransport` (an ASGI
@@ -21,19 +21,13 @@ from pydantic import BaseModel
 from starlette.websockets import WebSocket
 
 from gateway.metrics import GatewayMetrics
+from gateway.writer import Payload
 from shared.protocol import encode_server
 
 log = logging.getLogger("gateway.connection")
 
-CLOSE_POLICY = 1008
-CLOSE_INTERNAL_ERROR = 1011
-CLOSE_SERVICE_RESTART = 1012
-CLOSE_TRY_AGAIN_LATER = 1013
-SHUTDOWN_REASON = "server restarting: reconnect and resume"
 CLOSE_TIMEOUT_S = 2.0
 TRANSPORT_SCOPE_KEY = "llm_stream.transport"
-
-Payload = str | bytes
 
 
 class ExposeTransport:
@@ -51,6 +45,8 @@ class ExposeTransport:
 
 
 class FrameSocket:
+    """The `Writer` (gateway.writer) of a WebSocket, and its reading side."""
+
     def __init__(self, ws: WebSocket, *, binary: bool, metrics: GatewayMetrics):
         self.ws = ws
         self.binary = binary

@@ -1,6 +1,6 @@
 """The OpenAI API's structured output and tool fields, both ways: `response_format`, `tools`,
 `tool_choice` and tool messages in (checked here so a bad one is a 400 naming its parameter),
-and `tool_calls` out (message, deltas, `finish_reason: "tool_calls"`), read by gateway.tool_calls.
+and `tool_calls` out (message, deltas, `finish_reason: "tool_calls"`), read by gateway.openai.tool_calls.
 
 The engine refuses what it cannot compile (a schema xgrammar rejects): that comes back before
 any token as `invalid_request` whose `param` is "response_format" (set where the engine raises
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from gateway.tool_calls import ToolCallParser
+from gateway.openai.tool_calls import ToolCallParser
 from shared.structured import NamedToolChoice, ResponseFormat, Tool, ToolCall, check_tools, tool_mode
 
 RESPONSE_FORMAT = "response_format"

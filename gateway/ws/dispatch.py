@@ -12,21 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
 
 from redis.exceptions import RedisError
 
 from gateway.auth import KeyChecker
 from gateway.metrics import GatewayMetrics
-from gateway.new_request import AlreadyStarted, RequestStarter
-from gateway.request_state import RequestState
+from gateway.request_core import RequestCore
+from gateway.request_state import Phase, RequestState
 from gateway.requests import RequestTable
-from gateway.resume import Resumer, ResumeBudget
+from gateway.resume import ResumeBudget
 from gateway.sender import Sender
 from gateway.settings import GatewaySettings
-from gateway.socket_caps import SocketClaim
-from gateway.socket_io import CLOSE_POLICY, SHUTDOWN_REASON, FrameSocket
-from gateway.submit import Submitter
+from gateway.ws.socket import FrameSocket
+from gateway.ws.socket_caps import SocketClaim
+from gateway.writer import CLOSE_POLICY
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import (
     Accepted, Auth, Cancel, Generate, Ping, Pong, Resume, decode_frame, error_message, parse_client_message,
@@ -37,15 +36,12 @@ log = logging.getLogger("gateway.connection")
 
 class MessageHandler:
     def __init__(self, socket: FrameSocket, sender: Sender, requests: RequestTable, *, settings: GatewaySettings,
-                 metrics: GatewayMetrics, key_checker: KeyChecker, starter: RequestStarter, resumer: Resumer,
-                 submitter: Submitter, draining: Callable[[], bool], key_id: str | None, claim: SocketClaim):
+                 metrics: GatewayMetrics, key_checker: KeyChecker, core: RequestCore, key_id: str | None,
+                 claim: SocketClaim):
         self.s = settings
         self.metrics = metrics
         self.key_checker = key_checker
-        self.starter = starter
-        self.resumer = resumer
-        self.submitter = submitter
-        self.draining = draining
+        self.core = core
         self.socket = socket
         self.sender = sender
         self.requests = requests
@@ -141,8 +137,7 @@ class MessageHandler:
         self.key_id = key_id
 
     def check_new_id(self, client_id: str) -> None:
-        if self.draining():
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, SHUTDOWN_REASON, client_id)
+        self.core.check_open(client_id)
         if client_id in self.requests:
             raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request {client_id!r} is still running on this socket",
                                 client_id)
@@ -152,50 +147,24 @@ class MessageHandler:
 
     def accept(self, req: RequestState) -> None:
         self.sender.queue(Accepted(id=req.client_id, request_id=req.rid))
-        req.accepted = True
+        req.advance(Phase.STREAMING)
 
     async def _generate(self, msg: Generate) -> None:
         self.check_new_id(msg.id)
-        try:
-            req = await self.starter.start(self.requests, self.key_id, msg)
-        except AlreadyStarted as first:
-            # its idempotency key already started a request: attach to it, from the first token
-            running = next((r.client_id for r in self.requests.values() if r.rid == first.rid), None)
-            if running is not None:
-                raise ProtocolError(ErrorCode.DUPLICATE_ID, f"idempotency_key already names request {running!r} "
-                                                            "on this socket", msg.id) from None
-            await self.resumer.reattach(self.requests, self.key_id,
-                                        Resume(id=msg.id, last_seq=0, request_id=first.rid), self.accept)
-            return
-        self.accept(req)
+        # a re-sent idempotency key attaches this id to the request it started, from the first token
+        await self.core.start_or_attach(self.requests, self.key_id, msg, accept=self.accept)
 
     async def _resume(self, msg: Resume) -> None:
-        outcome = "attached"
-        try:
+        def check() -> None:
             self.resume_budget.take(msg.id)
             self.check_new_id(msg.id)
-            await self.resumer.reattach(self.requests, self.key_id, msg, self.accept)
-        except ProtocolError as exc:
-            outcome = exc.code.value
-            raise
-        except (RedisError, OSError):
-            outcome = ErrorCode.BACKEND_UNAVAILABLE.value
-            raise
-        finally:
-            self.metrics.resumes.labels(outcome).inc()
+
+        await self.core.resume(self.requests, self.key_id, msg, accept=self.accept, check=check)
 
     async def _cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.id)
         if req is None:
             raise ProtocolError(ErrorCode.UNKNOWN_ID, f"no running request {msg.id!r} on this socket", msg.id)
         if req.cancel_requested or req.final is not None:
-            return
-        req.cancelling("client")
-        self.metrics.cancels.labels("client").inc()
-        owner = await self.submitter.cancel(req.rid)
-        if owner is None:
-            # still in the queue: no worker holds it, and the flag (set first) keeps any from
-            # starting it, so it ends now instead of when a batch slot frees up
-            self.requests.end_cancelled(req)
-        else:
-            self.requests.start_cancel_fallback(req)
+            return       # a second cancel, or one that crossed the request's end: nothing to do
+        await self.core.cancel(self.requests, req, "client")

@@ -2,7 +2,7 @@
 (shared.protocol.TokenLogprob): the chat one (`{"content": [...], "refusal": null}`) and the
 legacy completions one (`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`).
 
-Kept apart from gateway.openai_api, which only decides which request fields turn them on: what
+Kept apart from gateway.openai.schema, which only decides which request fields turn them on: what
 the values mean (the raw model's log-softmax, as vLLM returns by default) is the engine's
 (worker.engine.logprobs), docs/clients.md says it for users.
 """

@@ -30,11 +30,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import openai_structured as structured
-from gateway.hub import Hub
+from gateway.inbox import Inbox
 from gateway.new_request import check_prompt_chars, entry_prompt
-from gateway.openai_api import APIError, _chat_messages, _key_id, _served, json_object, validated
-from gateway.socket_io import SHUTDOWN_REASON
+from gateway.openai import structured
+from gateway.openai.errors import APIError
+from gateway.openai.front import HttpFront
+from gateway.openai.schema import _chat_messages, json_object, validated
+from gateway.router import Router
+from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
 from shared.events import TokenizeReply
 from shared.protocol import parse_client_message
@@ -68,10 +71,9 @@ class DetokenizeBody(_Body):
     tokens: list[int]
 
 
-def _check(hub: Hub, request: Request) -> None:
-    _key_id(hub, request)
-    if hub.draining:
-        raise APIError.from_code(ErrorCode.SHUTTING_DOWN, SHUTDOWN_REASON)
+def _check(front: HttpFront, request: Request) -> None:
+    front.identify(request)
+    front.check_open()
 
 
 def tokenize_fields(body: TokenizeCompletionBody | TokenizeChatBody, max_prompt_chars: int) -> dict:
@@ -104,47 +106,57 @@ def tokenize_fields(body: TokenizeCompletionBody | TokenizeChatBody, max_prompt_
     return out
 
 
-async def ask_worker(hub: Hub, kind: str, fields: dict) -> TokenizeReply:
-    """One request/reply with a live worker (this module's docstring); its answer, or APIError."""
-    reply_id = "tok-" + secrets.token_hex(16)
-    replied: asyncio.Future = asyncio.get_running_loop().create_future()
-    sub = hub.reader.subscribe(reply_id, lambda ev: replied.done() or replied.set_result(ev))
-    try:
-        workers = await hub.router.live()
-        ready = [w for w in workers if w.state == "ready"] or workers
-        entry = encode_tokenize(kind, reply_id, hub.gw_id, fields)
-        # the snapshot may list a worker that has left since: then the next one
-        for worker in random.sample(ready, min(3, len(ready))):
-            if await hub.submitter.to_registered_worker(worker.worker_id, entry):
-                break
-        else:
-            raise APIError.from_code(ErrorCode.OVERLOADED, "no worker is alive to tokenize with; retry shortly")
+class WorkerAsk:
+    """One request/reply with a live worker (this module's docstring), built by the composition
+    root with the parts it needs; called as `ask(kind, fields)`."""
+
+    def __init__(self, reader: Inbox, router: Router, submitter: Submitter, gw_id: str):
+        self.reader = reader
+        self.router = router
+        self.submitter = submitter
+        self.gw_id = gw_id
+
+    async def __call__(self, kind: str, fields: dict) -> TokenizeReply:
+        """One request/reply with a live worker (this module's docstring); its answer, or APIError."""
+        reply_id = "tok-" + secrets.token_hex(16)
+        replied: asyncio.Future = asyncio.get_running_loop().create_future()
+        sub = self.reader.subscribe(reply_id, lambda ev: replied.done() or replied.set_result(ev))
         try:
-            async with asyncio.timeout(REPLY_TIMEOUT_S):
-                answer = await replied
-        except TimeoutError:
-            raise APIError.from_code(ErrorCode.STALLED, f"worker {worker.worker_id} did not answer within "
-                                                        f"{REPLY_TIMEOUT_S:g} s; retry") from None
-    except (RedisError, OSError, TimeoutError):
-        raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
-    finally:
-        hub.reader.unsubscribe(sub)
-    if answer.error is not None:
-        exc = APIError.from_code(answer.error.code, answer.error.message)
-        exc.param = answer.error.param
-        raise exc
-    return answer
+            workers = await self.router.live()
+            ready = [w for w in workers if w.state == "ready"] or workers
+            entry = encode_tokenize(kind, reply_id, self.gw_id, fields)
+            # the snapshot may list a worker that has left since: then the next one
+            for worker in random.sample(ready, min(3, len(ready))):
+                if await self.submitter.to_registered_worker(worker.worker_id, entry):
+                    break
+            else:
+                raise APIError.from_code(ErrorCode.OVERLOADED, "no worker is alive to tokenize with; retry shortly")
+            try:
+                async with asyncio.timeout(REPLY_TIMEOUT_S):
+                    answer = await replied
+            except TimeoutError:
+                raise APIError.from_code(ErrorCode.STALLED, f"worker {worker.worker_id} did not answer within "
+                                                            f"{REPLY_TIMEOUT_S:g} s; retry") from None
+        except (RedisError, OSError, TimeoutError):
+            raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
+        finally:
+            self.reader.unsubscribe(sub)
+        if answer.error is not None:
+            exc = APIError.from_code(answer.error.code, answer.error.message)
+            exc.param = answer.error.param
+            raise exc
+        return answer
 
 
 async def tokenize(request: Request) -> Response:
-    hub: Hub = request.app.state.hub
+    front = HttpFront.of(request)
     try:
-        _check(hub, request)
+        _check(front, request)
         data = json_object(await request.body())
         body = validated(TokenizeChatBody if "messages" in data else TokenizeCompletionBody, data)
         if body.model is not None:
-            _served(hub, body.model)
-        answer = await ask_worker(hub, "tokenize", tokenize_fields(body, hub.settings.max_prompt_chars))
+            front.served(body.model)
+        answer = await front.ask_worker("tokenize", tokenize_fields(body, front.settings.max_prompt_chars))
     except APIError as exc:
         return exc.response()
     tokens = list(answer.tokens or ())
@@ -154,13 +166,13 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    hub: Hub = request.app.state.hub
+    front = HttpFront.of(request)
     try:
-        _check(hub, request)
+        _check(front, request)
         body = validated(DetokenizeBody, json_object(await request.body()))
         if body.model is not None:
-            _served(hub, body.model)
-        limit = hub.settings.max_prompt_chars
+            front.served(body.model)
+        limit = front.settings.max_prompt_chars
         if len(body.tokens) > limit:
             raise APIError(400, f"{len(body.tokens)} token ids exceed {limit}", code=ErrorCode.PROMPT_TOO_LARGE.value,
                            param="tokens")
@@ -168,7 +180,7 @@ async def detokenize(request: Request) -> Response:
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of the vocabulary", code=ErrorCode.INVALID_REQUEST.value,
                            param="tokens")
-        answer = await ask_worker(hub, "detokenize", {"tokens": body.tokens})
+        answer = await front.ask_worker("detokenize", {"tokens": body.tokens})
     except APIError as exc:
         return exc.response()
     return JSONResponse({"prompt": answer.prompt})

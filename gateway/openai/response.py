@@ -1,0 +1,234 @@
+"""The OpenAI response of one request: the `Writer` (gateway.writer) its session's `Sender`
+writes to, as OpenAI chunk events over server-sent events (`stream: true`) or one JSON body
+(`stream: false`). Every SSE event carries `id: <seq>`, which a resume names (`Last-Event-ID`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Callable
+
+from pydantic import BaseModel
+from starlette.types import Send
+
+from gateway.openai import structured
+from gateway.openai.errors import APIError, done_error
+from gateway.openai.logprobs import chat_logprobs, completion_logprobs
+from gateway.writer import SHUTDOWN_REASON
+from shared.errors import ErrorCode
+from shared.protocol import Accepted, Chunk, Done, Error, Heartbeat
+
+log = logging.getLogger("gateway.openai")
+
+CHAT_PREFIX, TEXT_PREFIX = "chatcmpl-", "cmpl-"
+
+
+class OpenAIResponse:
+    """Plays `FrameSocket` for the `Sender`: frames in, OpenAI chunk events (or one JSON body) out.
+
+    A stream's response headers are held until its first event from the worker (a token, or the
+    end), or its first heartbeat (HEARTBEAT_S), or a close (drain). So a refusal the worker makes
+    before any token — a prompt over MAX_PROMPT_TOKENS (`context_too_long`: only the worker's
+    tokenizer can count it; the gateway has none), a request that can never fit the KV cache —
+    is an HTTP status (400), which the SDKs raise as `BadRequestError`, not a `200` stream with an
+    error inside. It costs no time to first token: the headers and the role chunk go out in the
+    same write as the first token (tests/test_openai_compat.py measures it)."""
+
+    HOLD_HEADERS = True      # False: the 200 goes out at the request's acceptance (a test compares the two)
+
+    def __init__(self, send: Send, *, oai_id: str, model: str, stream: bool, include_usage: bool,
+                 role_chunk: bool, headers: list[tuple[bytes, bytes]] | None = None, tools=None,
+                 prompt_tokens: Callable[[], int] | None = None):
+        self._send = send
+        # continuous usage (vLLM's stream_options.continuous_usage_stats): every chunk carries the
+        # usage so far; the prompt's size is what the worker's token events said
+        self.prompt_tokens = prompt_tokens
+        self.tools = tools                   # a gateway.openai.tool_calls parser when the request has tools
+        self.oai_id = oai_id
+        self.chat = oai_id.startswith(CHAT_PREFIX)
+        self.model = model
+        self.created = int(time.time())
+        self.stream = stream
+        self.include_usage = include_usage
+        self.role_chunk = role_chunk and self.chat
+        self.send_started: float | None = None
+        self.last_send = time.monotonic()
+        self.ended = asyncio.Event()
+        self.broken = False                  # a write failed: the client is gone
+        self.parts: list[str] = []           # stream: false
+        self.logprobs: list | None = None     # stream: false, when the chunks carry logprobs
+        self.done: Done | None = None
+        self.error: Error | None = None
+        # stream: true — the 200's headers and what was written before the first event, held
+        self._start = {"type": "http.response.start", "status": 200, "headers": headers or []}
+        self._held: list[str] = []
+        self.committed = False               # the 200 went out: a later failure can only be an event in it
+
+    # the Sender's interface ------------------------------------------------
+
+    def encode(self, msg: BaseModel) -> str:
+        """A control frame as the text it becomes here (the Sender queues it and counts its bytes)."""
+        if isinstance(msg, Accepted):
+            return self._event_text(self._chunk(None, None, role=True), 0) if self.stream and self.role_chunk else ""
+        if isinstance(msg, Error):           # e.g. the closing explanation of a drain
+            self.error = msg
+            return f"data: {json.dumps(APIError.from_code(msg.code, msg.message).body())}\n\n" if self.stream else ""
+        return ""                            # pong and the like have no HTTP counterpart
+
+    async def send_payload(self, payload: str) -> None:
+        self.last_send = time.monotonic()
+        if payload:
+            await self._write(payload)
+
+    async def send(self, msg: BaseModel) -> None:
+        # counts as a send even when nothing is written (a heartbeat of a non-streamed answer),
+        # so the Sender's heartbeat clock advances instead of firing again at once
+        self.last_send = time.monotonic()
+        if isinstance(msg, Chunk):
+            if self.stream and self.tools is not None:    # text and tool call deltas
+                await self._event(self._usage_so_far(self._chunk(
+                    None, None, delta=structured.delta(*self.tools.feed(msg.text)), logprobs=msg.logprobs), msg.seq),
+                    msg.seq, commit=True)
+            elif self.stream:
+                await self._event(self._usage_so_far(self._chunk(msg.text, None, logprobs=msg.logprobs), msg.seq),
+                                  msg.seq, commit=True)
+            else:
+                self.parts.append(msg.text)
+                if msg.logprobs is not None:
+                    if self.logprobs is None:
+                        self.logprobs = []
+                    self.logprobs.extend(msg.logprobs)
+        elif isinstance(msg, Done):
+            self.done = msg
+            if self.stream and (self.committed or done_error(msg) is None):
+                await self._finish_stream(msg)
+            # else: a stream refused before its first event: RunRequest answers with the status
+            self.ended.set()
+        elif isinstance(msg, Heartbeat):
+            if self.stream:   # proxies see traffic; SSE clients ignore comments
+                await self._write(": keep-alive\n\n", commit=True)
+        else:
+            await self.send_payload(self.encode(msg))
+
+    async def close(self, code: int, reason: str, *, last: BaseModel | None = None) -> None:
+        if last is not None:
+            await self.send(last)
+        if self.stream and not self.committed and self._held:
+            await self._write("", commit=True)     # e.g. a drain's error event: the id to resume with
+        self.ended.set()
+
+    def abort(self) -> None:
+        self.broken = True
+        self.ended.set()
+
+    # building events -------------------------------------------------------
+
+    def _chunk(self, text: str | None, finish: str | None, *, role: bool = False, logprobs: list | None = None,
+               delta: dict | None = None) -> dict:
+        if self.chat:
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
+                      "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "",
+                      "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
+                      "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def _usage_so_far(self, chunk: dict, completion_tokens: int) -> dict:
+        if self.prompt_tokens is not None:
+            prompt = self.prompt_tokens()
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt + completion_tokens}
+        return chunk
+
+    async def _finish_stream(self, done: Done) -> None:
+        error = done_error(done)
+        if error is not None:
+            await self._event(error.body(), done.seq, commit=True)
+        else:
+            if self.tools is not None:
+                rest = structured.delta(*self.tools.finish())
+                if rest:
+                    await self._event(self._chunk(None, None, delta=rest), done.seq, commit=True)
+            last = self._chunk(None, structured.finish_reason(self.tools, done.finish_reason))
+            if self.prompt_tokens is not None:
+                last["usage"] = usage_of(done)
+            await self._event(last, done.seq, commit=True)
+            if self.include_usage:
+                usage = usage_of(done)
+                await self._event({**self._chunk(None, None), "choices": [], "usage": usage}, done.seq)
+        await self._write("data: [DONE]\n\n")
+
+    def api_error(self) -> APIError | None:
+        """The error the request ended with (None for an answer)."""
+        if self.done is not None:
+            return done_error(self.done)
+        msg = self.error
+        return APIError.from_code(msg.code if msg else ErrorCode.SHUTTING_DOWN, msg.message if msg else SHUTDOWN_REASON)
+
+    def body(self) -> tuple[int, dict]:
+        """stream: false — the status and JSON of the whole answer."""
+        error = self.api_error()
+        if error is not None:
+            return error.status, error.body()
+        text = "".join(self.parts)
+        if self.chat:
+            lp = chat_logprobs(self.logprobs) if self.logprobs is not None else None
+            choice = {"index": 0, "message": structured.message(self.tools, text), "logprobs": lp,
+                      "finish_reason": structured.finish_reason(self.tools, self.done.finish_reason)}
+            obj = "chat.completion"
+        else:
+            lp = completion_logprobs(self.logprobs) if self.logprobs is not None else None
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.done.finish_reason}
+            obj = "text_completion"
+        return 200, {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model,
+                     "choices": [choice], "usage": usage_of(self.done)}
+
+    # writing ----------------------------------------------------------------
+
+    @staticmethod
+    def _event_text(data: dict, seq: int) -> str:
+        return f"id: {seq}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    async def _event(self, data: dict, seq: int, *, commit: bool = False) -> None:
+        await self._write(self._event_text(data, seq), commit=commit)
+
+    async def _write(self, text: str, *, commit: bool = False) -> None:
+        if self.broken:
+            return
+        start = None
+        if not self.committed:
+            if not commit and self.HOLD_HEADERS:
+                self._held.append(text)          # e.g. the role chunk: it goes with the first event
+                return
+            text = "".join(self._held) + text
+            self._held.clear()
+            start, self.committed = self._start, True
+        self.send_started = time.monotonic()
+        try:
+            if start is not None:
+                await self._send(start)
+            if text:
+                await self._send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+        except (OSError, RuntimeError) as exc:   # the client went away mid-write
+            log.debug("SSE write failed: %r", exc)
+            self.broken = True
+            self.ended.set()
+        finally:
+            self.send_started = None
+        self.last_send = time.monotonic()
+
+
+def usage_of(done: Done) -> dict:
+    """OpenAI's usage, with its own field for the prompt tokens the prefix cache served."""
+    p, c = done.usage.prompt_tokens, done.usage.completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens}}
+
