@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gateway.flusher import Pending
-from shared.events import DoneUsage, ErrEvent
+from shared.events import DoneUsage, ErrEvent, error_code
 from shared.protocol import Chunk, Done, TokenLogprob, TopLogprob, Usage
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def done_frame(req: RequestState, now: float) -> Done:
     )
     seq = max(req.seq, ev.seq)
     if isinstance(ev, ErrEvent):
-        error = {"code": ev.code, "message": ev.message, "retryable": ev.retryable}
+        error = {"code": error_code(ev.code).value, "message": ev.message, "retryable": ev.retryable}
         if ev.param is not None:
             error["param"] = ev.param
         return Done(id=req.client_id, seq=seq, finish_reason="error", usage=usage, error=error)

@@ -172,7 +172,8 @@ class DoneEvent:
 
 @dataclass(slots=True)
 class ErrEvent:
-    """A request's final error. `code` is a shared.errors.ErrorCode value; `param` names the
+    """A request's final error. `code` is a shared.errors.ErrorCode value as written (one this
+    version does not know is kept as is: `error_code` reads it as `internal`); `param` names the
     request field the error is about (e.g. `response_format` for a schema the engine could not
     compile), so nobody has to read it out of `message`."""
     KIND: ClassVar[str] = "err"
@@ -200,11 +201,12 @@ class ErrEvent:
 
     @classmethod
     def from_map(cls, d: dict) -> "ErrEvent":
-        code = error_code(d.get("code"))
+        code = d.get("code")
         retryable = d.get("retryable")
         param = d.get("param")
-        return cls(d.get("rid") or "", int(d.get("seq") or 0), code.value, str(d.get("message") or code.value),
-                   code in RETRYABLE if retryable is None else bool(retryable), int(d.get("ep") or 0),
+        return cls(d.get("rid") or "", int(d.get("seq") or 0), code if isinstance(code, str) else "",
+                   str(d.get("message") or error_code(code).value),
+                   error_code(code) in RETRYABLE if retryable is None else bool(retryable), int(d.get("ep") or 0),
                    int(d.get("ms") or 0), d.get("wk") or "", d.get("lane") or "",
                    param if isinstance(param, str) else None, d.get("text") or "")
 

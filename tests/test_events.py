@@ -11,7 +11,7 @@ import pytest
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.events import (AttachMarker, DoneEvent, DoneUsage, ErrEvent, ReplyError, TokEvent, TokenizeReply,
-                           decode_event, decode_events)
+                           decode_event, decode_events, error_code)
 from shared.protocol import parse_client_message
 from shared.streams import pack_event_list
 
@@ -147,7 +147,8 @@ def test_a_sparse_map_decodes_with_the_old_readers_defaults():
     tok = decode_event(_pack({"k": "tok", "rid": "r", "seq": 2, "n": 2}))
     assert (tok.seq, tok.ids, tok.text, tok.epoch, tok.logprobs, tok.prompt_tokens) == (2, [], "", 0, None, 0)
     err = decode_event(_pack({"k": "err", "rid": "r", "code": "no_such_code"}))
-    assert (err.code, err.message, err.retryable, err.param, err.seq) == ("internal", "internal", True, None, 0)
+    assert (err.code, err.message, err.retryable, err.param, err.seq) == ("no_such_code", "internal", True, None, 0)
+    assert error_code(err.code) == ErrorCode.INTERNAL
     stalled = decode_event(_pack({"k": "err", "code": "stalled", "message": "m"}))
     assert stalled.retryable is True and stalled.rid == ""
     done = decode_event(_pack({"k": "done", "seq": 1, "finish_reason": "stop", "usage": {}}))
