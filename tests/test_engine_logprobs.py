@@ -177,7 +177,8 @@ def test_outputs_carry_logprobs_through_the_engine_pipe_and_into_token_events():
     """engine process -> worker (keyed msgpack columns) -> a token event's `lp`, one entry per id."""
     import msgpack
 
-    from shared.streams import RequestEntry, decode_event, encode_tok
+    from shared.events import TokEvent
+    from shared.streams import RequestEntry, decode_event
     from worker.engine import StepOutput
     from worker.engine_wire import pack_outputs, unpack_outputs
     from worker.events import InFlight, Progress
@@ -197,7 +198,7 @@ def test_outputs_carry_logprobs_through_the_engine_pipe_and_into_token_events():
         st.add_output(b)
     tok = decode_event(st.unsent[0].payload)
     assert tok["ids"] == [5, 6] and tok["lp"] == lp + [["!", -2.0, [], 2]]
-    assert "lp" not in decode_event(encode_tok("q", 1, [7], "x", 1, 0))
+    assert "lp" not in decode_event(TokEvent("q", 1, [7], "x", 1, 0).encode())
 
 
 def test_request_entries_carry_logprobs_only_when_asked():

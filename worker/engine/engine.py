@@ -205,7 +205,8 @@ class Engine:
             try:
                 matcher = self.grammars.matcher(p.grammar)
             except GrammarError as exc:
-                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}") from None
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}",
+                                     param="response_format") from None
             # a continuation: the grammar is where the delivered tokens left it
             if not all(matcher.accept(token) for token in req.generated_ids):
                 raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")

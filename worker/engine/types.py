@@ -37,10 +37,11 @@ class EngineRequest:
 class EngineRejected(Exception):
     """The request can never run here (the caller reports `code` to the client)."""
 
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, *, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param      # the request field it is about (e.g. response_format), if one
 
 
 def _wire(key: str, *, usual: object = None, sparse: bool = False, decode=None, **kwargs):
@@ -73,3 +74,5 @@ class StepOutput:
     admitted_ms: int = _wire("a", sparse=True, usual=0, default=0)
     # requests that ask for logprobs: one entry per id of token_ids (worker.engine.logprobs.entry)
     logprobs: list | None = _wire("lp", sparse=True, default=None)
+    # errors: the request field the error is about (EngineRejected.param), if one
+    error_param: str | None = _wire("ep", sparse=True, default=None)
