@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from gateway.admission import Admission
 from gateway.auth import ANONYMOUS, is_anonymous
 from gateway.bookkeeping import Bookkeeper
+from gateway.cache_scope import cache_scope
 from gateway.request_state import Phase, RequestState
 from gateway.requests import RequestTable
 from gateway.router import Router
@@ -103,6 +104,7 @@ class RequestStarter:
         rid = rid or secrets.token_hex(16)       # 128 random bits: the secret a `resume` must present
         req = requests.open(cid, rid, key_id)    # subscribed before it is queued
         prompt, messages, tools = entry_prompt(msg)
+        scope = cache_scope(key_id, msg.cache_salt)
         entry = RequestEntry(
             rid=rid,
             params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
@@ -114,7 +116,7 @@ class RequestStarter:
             messages=messages,
             tools=tools,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,
-            route=self.router.pick(msg.prompt_cache_key, prompt, messages),
+            route=self.router.pick(msg.prompt_cache_key, prompt, messages, scope), cache_salt=scope,
         )
         # leases of this key that ended here but are still queued for release go first
         release = self.bookkeeper.take_releases(key_id)

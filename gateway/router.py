@@ -37,11 +37,12 @@ class Router:
     def due(self, now: float) -> bool:
         return self.enabled and now - self.refreshed_at >= REFRESH_S
 
-    def pick(self, explicit_key: str | None, prompt: str | None, messages: list[dict] | None) -> str:
+    def pick(self, explicit_key: str | None, prompt: str | None, messages: list[dict] | None,
+             scope: str = "") -> str:
         """The worker id to route to, or "" (any worker: routing off, no live worker known, or
-        the key's worker has no room)."""
+        the key's worker has no room). `scope`: the request's cache scope (gateway.cache_scope)."""
         if not self.enabled or not self.workers:
             return ""
         by_id = {w.worker_id: w for w in self.workers}
-        first = rendezvous(route_key(explicit_key, prompt, messages), by_id)[0]
+        first = rendezvous(route_key(explicit_key, prompt, messages, scope), by_id)[0]
         return first if by_id[first].free_slots > 0 else ""

@@ -94,6 +94,10 @@ class Generate(_ClientMsg):
     # requests with the same key go to the same worker while it has room, so the prompt prefix
     # they share is in its KV cache (OpenAI's `prompt_cache_key`; docs/protocol.md)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
+    # prefix-cache scope (vLLM's `cache_salt`): requests share cached prompt blocks only with
+    # requests of the same scope; by default each API key is its own scope, and clients that
+    # send the same salt share on purpose, across keys (docs/protocol.md)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # structured output (the tokens follow a JSON grammar) and tool calling (shared.structured)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=64)

@@ -15,7 +15,9 @@ their opening spread over the workers (each computes the system prompt once, the
 cached) instead of all landing on one: each message of the opening counts on its own (its
 first and last ROUTE_PREFIX_CHARS characters and its length), so a system prompt of any length
 cannot push the first user message out of the key, and the hashing work stays bounded per
-message. Only a preference: the worker that reads an entry
+message. The key is scoped like the prefix cache (`scope`: the request's cache salt,
+gateway.cache_scope): requests of different tenants never share a route key, so where a
+request lands tells nothing about what another tenant sent. Only a preference: the worker that reads an entry
 routed to another live worker with room hands it over (worker.intake), and anything else (no
 route, its worker dead or full) runs wherever it is read.
 """
@@ -28,8 +30,11 @@ from typing import Iterable
 ROUTE_PREFIX_CHARS = 2048     # about 500 tokens: enough to tell prompts apart, bounded hashing work
 
 
-def route_key(explicit: str | None, prompt: str | None, messages: list[dict] | None) -> str:
-    """The key requests that should share a worker have in common."""
+def route_key(explicit: str | None, prompt: str | None, messages: list[dict] | None, scope: str = "") -> str:
+    """The key requests that should share a worker have in common, within cache scope `scope`
+    ("": the deployment-wide scope)."""
+    if scope:
+        return scope + "\x1f" + route_key(explicit, prompt, messages)
     if explicit:
         return "k:" + explicit
     if prompt is not None:

@@ -123,12 +123,17 @@ class RequestEntry:
     key_id: str = ""
     gw: str = ""         # id of the gateway that submitted it: live events go to its inbox
     route: str = ""      # the worker whose prefix cache should serve it ("": any; shared.routing)
+    # prefix-cache scope: salts the root of its KV block hash chain, so it shares cached blocks
+    # only with requests of the same scope ("": deployment-wide; gateway.cache_scope)
+    cache_salt: str = ""
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         fields = asdict(self)
         if not fields["route"]:
             del fields["route"]     # what workers older than routing can read
+        if not fields["cache_salt"]:
+            del fields["cache_salt"]    # what workers older than cache scopes can read
         if fields["tools"] is None:
             del fields["tools"]
         if fields["params"]["grammar"] is None:
@@ -175,6 +180,8 @@ class RequestEntry:
             raise ValueError("bad grammar")
         if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError("bad logprobs")
+        if not isinstance(entry.cache_salt, str):
+            raise ValueError("bad cache_salt")
         if type(p.ignore_eos) is not bool:
             raise ValueError("bad ignore_eos")
         return entry

@@ -209,7 +209,7 @@ class EngineThread:
         try:
             self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,
                                           priority=entry.priority, generated_ids=list(command.generated_ids),
-                                          ignore_eos=entry.params.ignore_eos))
+                                          ignore_eos=entry.params.ignore_eos, cache_salt=entry.cache_salt))
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids), param=exc.param)]
         except Exception as exc:  # a bug or odd input must fail this request only

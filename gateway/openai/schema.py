@@ -73,6 +73,7 @@ class _Body(BaseModel):
     priority: Literal["interactive", "batch"] | None = None
     resumable: bool = False
     ignore_eos: bool | None = None        # vLLM's: run to max_tokens (benchmarks such as guidellm send it)
+    cache_salt: str | None = None         # vLLM's: prefix-cache scope (gateway.cache_scope)
 
 
 class ChatBody(_Body):
@@ -236,7 +237,8 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
                         ("seed", body.seed), ("stop", stop), ("priority", body.priority),
                         ("prompt_cache_key", body.prompt_cache_key),   # routes it to the worker holding its cache
-                        ("ignore_eos", body.ignore_eos or None)):
+                        ("ignore_eos", body.ignore_eos or None),
+                        ("cache_salt", body.cache_salt)):   # checked with the WebSocket message
         if value is not None:
             fields[name] = value
     return body, fields
