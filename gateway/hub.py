@@ -26,7 +26,7 @@ from gateway.bookkeeping import Bookkeeper
 from gateway.heartbeats import HeartbeatWheel
 from gateway.housekeeping import Housekeeping, gateway_duties
 from gateway.inbox import Inbox
-from gateway.liveness import Liveness
+from gateway.liveness import Liveness, reqs_ttl_s
 from gateway.metrics import GatewayMetrics
 from gateway.new_request import RequestStarter
 from gateway.openai.front import HttpFront
@@ -80,7 +80,8 @@ class Hub:
                             on_unclaimed=self.cancel_watch.on_unclaimed)
         self.submitter = Submitter(self.redis, self.keys, self.gw_id, request_maxlen=s.request_stream_maxlen,
                                    output_ttl_s=s.output_ttl_s, concurrency=s.per_key_concurrency,
-                                   rate_per_min=s.per_key_rate_per_min, lease_s=s.concurrency_lease_s)
+                                   rate_per_min=s.per_key_rate_per_min, lease_s=s.concurrency_lease_s,
+                                   reqs_ttl_s=reqs_ttl_s(s.gateway_ttl_s, s.resume_grace_s))
         self.liveness = Liveness(self.redis, self.keys, self.gw_id, self.submitter, ttl_s=s.gateway_ttl_s,
                                  grace_s=s.resume_grace_s)
         self.admission = Admission(self.redis, self.keys, max_depth=s.max_queue_depth,

@@ -79,7 +79,7 @@ return 1
 
 class Submitter:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gw_id: str, *, request_maxlen: int, output_ttl_s: int,
-                 concurrency: int, rate_per_min: int, lease_s: float):
+                 concurrency: int, rate_per_min: int, lease_s: float, reqs_ttl_s: int):
         self.redis = redis
         self.keys = keys
         self.gw_id = gw_id
@@ -88,6 +88,7 @@ class Submitter:
         self.concurrency = concurrency
         self.rate_per_min = rate_per_min
         self.lease_ms = int(lease_s * 1000)
+        self.reqs_ttl_s = reqs_ttl_s   # this gateway's `reqs` set expires unless refreshed (gateway.liveness)
         self.clock = time.time      # the wall clock whose minute is the rate limit's window
         self._sha: str | None = None
 
@@ -118,6 +119,7 @@ class Submitter:
                 pipe.hset(self.keys.meta(rid), mapping={META_KEY: key_id, META_GW: self.gw_id})
                 pipe.expire(self.keys.meta(rid), self.ttl)
                 pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)
+                pipe.expire(self.keys.gw_reqs(self.gw_id), self.reqs_ttl_s)
                 results = await pipe.execute(raise_on_error=False)
             if release and self.concurrency > 0:
                 results = results[1:]
@@ -236,6 +238,7 @@ class Submitter:
             old_gw, _, att, owner, _ = await pipe.execute()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)
+            pipe.expire(self.keys.gw_reqs(self.gw_id), self.reqs_ttl_s)
             old_gw = as_str(old_gw) if old_gw is not None else None
             if old_gw and old_gw != self.gw_id:
                 pipe.srem(self.keys.gw_reqs(old_gw), rid)

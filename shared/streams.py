@@ -14,7 +14,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att (META_*); TTL output_ttl_s |
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
 | p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
-| p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies)            |
+| p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies); TTL beats |
 | p:{w:<worker>}:ctl       | stream | {w:id}  | control for one worker: cancel / attach / take / tokenize   |
 | p:{w:<worker>}:info      | hash   | {w:id}  | a worker's registry details (TTL worker_ttl_s)              |
 | p:{reg}:workers          | zset   | {reg}   | worker id -> last heartbeat ms                              |

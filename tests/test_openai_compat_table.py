@@ -267,6 +267,23 @@ async def p_ignore_eos(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
+async def p_cache_salt(ctx: Ctx, _=None) -> str:
+    """vLLM's: the prefix-cache scope. A fresh salt hits nothing (not even what every other probe
+    left cached for this key), the same salt again hits its own blocks, the answer is the same;
+    a salt that is not a non-empty string is refused (tests/test_tenant_cache.py: across keys)."""
+    salt = uuid.uuid4().hex
+    first = await ctx.chat(extra_body={"cache_salt": salt})
+    again = await ctx.chat(extra_body={"cache_salt": salt})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert first.choices[0].message.content == again.choices[0].message.content == ctx.chat_text
+    for bad in (7, ""):
+        with pytest.raises(openai.BadRequestError) as info:
+            await ctx.chat(extra_body={"cache_salt": bad})
+        assert info.value.body["param"] == "cache_salt", info.value.body
+    return "yes"
+
+
 async def p_health(ctx: Ctx, _=None) -> str:
     for path in ("/health", "/v1/health"):
         r = await ctx.http.get(path)
@@ -543,6 +560,7 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "stream_options.include_obfuscation": p_obfuscation,
     "stream_options.continuous_usage_stats": p_continuous_usage,
     "ignore_eos": p_ignore_eos,
+    "cache_salt": p_cache_salt,
     "GET /health": p_health,
     "GET /v1/health": p_health,
     "GET /version": p_version,

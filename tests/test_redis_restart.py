@@ -198,7 +198,7 @@ async def test_a_redis_restart_does_not_make_a_gateway_take_over_live_peers():
 
     def liveness(client, gw):
         submitter = Submitter(client, keys, gw, request_maxlen=1000, output_ttl_s=60, concurrency=0,
-                              rate_per_min=0, lease_s=30)
+                              rate_per_min=0, lease_s=30, reqs_ttl_s=66)
         return Liveness(client, keys, gw, submitter, ttl_s=1.0, grace_s=5)
     a, b, c = (liveness(cl, gw) for cl, gw in zip(clients, ("gwa", "gwb", "gwc")))
     try:
