@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     kv_block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the paging unit)")
     prefix_caching: bool = Field(True, description="reuse the KV blocks of earlier requests' identical prompt "
                                                    "prefixes (kept in free KV blocks, no extra memory)")
+    cache_shared_prefixes: list[str] = Field(default_factory=list, description="JSON list of prompt openings (the "
+                                             "deployment's system prompt) whose KV blocks all tenants share; "
+                                             "everything else is cached per tenant (docs/operations.md)")
     prefill_chunk: int = Field(0, ge=0, description="prompt tokens processed per step (chunked prefill); "
                                                     "0 = 256 on CPU, 8192 on CUDA")
     lane_aging_steps: int = Field(256, description="a batch request that waited this many engine steps is served "

@@ -13,6 +13,7 @@ from shared.sampling import SamplingParams
 from tests.engine_families import FAMILIES, assert_prefix_caching_exact
 from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.engine.block_pool import BlockPool, extend_names, prefix_root
+from worker.engine.prompts import build_prompt_ids
 from worker.engine.kv_cache_manager import KVCacheManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
@@ -349,6 +350,32 @@ def test_requests_share_blocks_only_within_a_cache_salt(model, tokenizer):
     for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1"), ("d", "")):
         cached[rid] = _run(engine, EngineRequest(rid, prompt, params, cache_salt=salt))[1][-1].cached_tokens
     assert cached["a"] == cached["b"] == cached["d"] == 0 and cached["c"] > 0
+
+
+def test_an_operator_shared_prefix_is_shared_across_salts_and_nothing_after_it(model, tokenizer):
+    """CACHE_SHARED_PREFIXES: the blocks wholly inside a configured opening are named as in the
+    deployment-wide scope (computed once for every tenant); the salt enters right after them, so
+    what follows (the tenant's own question) is still cached per salt."""
+    shared = "A shared system prompt for everyone here. " * 6
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=256, shared_prefixes=(shared,)))
+    bs = engine.config.kv_block_size
+    shared_blocks = len(tokenizer(shared)["input_ids"]) // bs
+    question = tokenizer(shared + "And a private question that runs on over several blocks. " * 6)["input_ids"]
+    assert shared_blocks >= 2 and len(question) // bs > shared_blocks + 2
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    cached = {}
+    for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1"), ("d", "")):
+        tokens, outs = _run(engine, EngineRequest(rid, question, params, cache_salt=salt))
+        cached[rid] = outs[-1].cached_tokens
+        assert tokens == _generate(model, question, 2)
+    assert cached["a"] == 0
+    assert cached["b"] == cached["d"] == shared_blocks * bs          # the shared opening only
+    assert cached["c"] == (len(question) - 1) // bs * bs              # its own question as well
+    # the same opening as a chat's system message: its template's rendering is shared too
+    chat = build_prompt_ids(tokenizer, None, [{"role": "system", "content": shared}, {"role": "user", "content": "Hi"}])
+    first = _run(engine, EngineRequest("e", chat, params, cache_salt="tenant-3"))[1][-1].cached_tokens
+    second = _run(engine, EngineRequest("f", chat, params, cache_salt="tenant-4"))[1][-1].cached_tokens
+    assert first == 0 and second >= shared_blocks * bs
 
 
 def test_prefix_caching_off_keeps_nothing(model, tokenizer):

@@ -20,7 +20,8 @@ admission counts cached blocks as free (`num_free`).
 Names: block i of a request's context (prompt, then generated tokens) is named
 blake2b(name of block i-1 || its token ids), the chain rooted at `prefix_root`: a digest of
 whatever else changes the KV of the same ids (the model, its dtype and quantization, the block
-size, an optional per-request salt). A name so stands for the whole prefix up to the block's
+size); a request's cache salt (its tenant's scope) enters the chain at its first block, or after
+the blocks of an operator-shared prefix (`extend_names`). A name so stands for the whole prefix up to the block's
 end, position included; 128-bit digests make two different prefixes sharing a name a 2^-64
 event even for a chosen input, so a hit is trusted without comparing tokens. Names are computed
 once per block, when it is looked up or fills (`extend_names`), never again per step.
@@ -41,11 +42,16 @@ def prefix_root(*parts: object) -> bytes:
     return blake2b(repr(parts).encode(), digest_size=NAME_BYTES).digest()
 
 
-def extend_names(names: list[bytes], root: bytes, tokens: list[int], block_size: int, blocks: int) -> None:
+def extend_names(names: list[bytes], root: bytes, tokens: list[int], block_size: int, blocks: int,
+                 salt: bytes = b"", salt_at: int = 0) -> None:
     """Extend `names` (the chain of a context's leading full blocks) to its first `blocks` blocks;
-    `tokens` must hold them whole."""
+    `tokens` must hold them whole. A `salt` (the request's cache scope) enters the chain at block
+    `salt_at` (0: the root; later: after blocks every scope shares, worker.engine.shared_prefix),
+    so the blocks from there on are named apart from every other scope's."""
     parent = names[-1] if names else root
     for i in range(len(names), blocks):
+        if salt and i == salt_at:
+            parent = blake2b(parent + salt, digest_size=NAME_BYTES).digest()
         ids = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
         parent = blake2b(parent + ids, digest_size=NAME_BYTES).digest()
         names.append(parent)

@@ -82,6 +82,7 @@ class EngineConfig:
     cuda_graphs: bool = True      # CUDA: replay decode-only steps as captured graphs
     kv_memory_fraction: float = 0.85   # CUDA, kv_cache_tokens = 0: share of free GPU memory the pool may take
     prefix_caching: bool = True   # reuse the KV blocks of earlier requests' identical context prefixes
+    shared_prefixes: tuple[str, ...] = ()   # prompt openings every cache scope shares (worker.engine.shared_prefix)
 
     def __post_init__(self):
         if (self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0
@@ -111,4 +112,5 @@ class EngineConfig:
             cuda_graphs=settings.cuda_graphs,
             kv_memory_fraction=settings.kv_memory_fraction,
             prefix_caching=settings.prefix_caching,
+            shared_prefixes=tuple(settings.cache_shared_prefixes),
         )

@@ -34,6 +34,7 @@ from shared.errors import ErrorCode
 from shared.protocol import MAX_TOP_LOGPROBS
 from worker.engine import attention
 from worker.engine.block_pool import prefix_root
+from worker.engine.shared_prefix import SharedPrefixes
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.grammar import GrammarError, Grammars
@@ -90,6 +91,7 @@ class Engine:
             log.info("prefix caching on: %d KV blocks of %d tokens, cached blocks reused for new tokens "
                      "least recently used first", self.cache.num_blocks, config.kv_block_size)
         self.kv = KVCacheManager(self.cache.pool, config.kv_block_size)
+        self._shared = SharedPrefixes(tokenizer, config.shared_prefixes)   # every cache scope shares these
         self.scheduler = Scheduler(self.kv, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._logits_width = model.get_output_embeddings().out_features   # a seeded token's noise
@@ -211,9 +213,10 @@ class Engine:
             if not all(matcher.accept(token) for token in req.generated_ids):
                 raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
-        seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals,
-                       tokens=context, cache_root=prefix_root(self._cache_root, req.cache_salt)
-                       if req.cache_salt else self._cache_root, grammar=matcher)
+        salt = req.cache_salt.encode()
+        seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals, tokens=context,
+                       cache_root=self._cache_root, cache_salt=salt, grammar=matcher,
+                       salt_at=self._shared.salted_from(req.prompt_ids, self.config.kv_block_size) if salt else 0)
         self._arrivals += 1
         if seq.top_logprobs >= 0:
             seq.text_offset = self._token_text.length(req.generated_ids)

@@ -68,7 +68,7 @@ class KVCacheManager:
         if start >= limit:
             return []
         if len(seq.block_names) < limit:
-            extend_names(seq.block_names, seq.cache_root, seq.tokens, bs, limit)
+            extend_names(seq.block_names, seq.cache_root, seq.tokens, bs, limit, seq.cache_salt, seq.salt_at)
         return self.pool.cached_prefix(islice(seq.block_names, start, limit))
 
     def free_after(self, hit: list[int]) -> int:
@@ -157,7 +157,7 @@ class KVCacheManager:
         bs = self.block_size
         full = seq.computed // bs
         if len(seq.block_names) < full:
-            extend_names(seq.block_names, seq.cache_root, seq.tokens, bs, full)
+            extend_names(seq.block_names, seq.cache_root, seq.tokens, bs, full, seq.cache_salt, seq.salt_at)
         for i in range(seq.published, full):
             self.pool.publish(seq.blocks[i], seq.block_names[i])
         seq.published = full

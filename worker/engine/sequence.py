@@ -36,10 +36,13 @@ class Sequence:
     slot: int = -1
     admitted_ms: int = 0            # wall clock of its first scheduled prompt chunk (queue time ends)
     # Prefix caching (kv_cache_manager.py, block_pool.py): the names of the context's leading full blocks (computed
-    # once each, as they are looked up or fill), the chain's root (model and salt), how many of
+    # once each, as they are looked up or fill), the chain's root (the model), its salt (the
+    # request's cache scope) and the block it enters at (after an operator-shared prefix), how many of
     # `blocks` are named in the pool (taken from the cache or published once computed), and the
     # context tokens its first pass took from the cache instead of computing them.
     cache_root: bytes = b""
+    cache_salt: bytes = b""
+    salt_at: int = 0
     block_names: list[bytes] = field(default_factory=list)
     published: int = 0
     cached_tokens: int = 0
