@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.openai import structured
 from gateway.openai.errors import APIError, _unsupported
@@ -73,7 +73,7 @@ class _Body(BaseModel):
     priority: Literal["interactive", "batch"] | None = None
     resumable: bool = False
     ignore_eos: bool | None = None        # vLLM's: run to max_tokens (benchmarks such as guidellm send it)
-    cache_salt: str | None = None         # vLLM's: prefix-cache scope (gateway.cache_scope)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: prefix-cache scope (gateway.cache_scope)
 
 
 class ChatBody(_Body):
@@ -238,7 +238,7 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
                         ("seed", body.seed), ("stop", stop), ("priority", body.priority),
                         ("prompt_cache_key", body.prompt_cache_key),   # routes it to the worker holding its cache
                         ("ignore_eos", body.ignore_eos or None),
-                        ("cache_salt", body.cache_salt)):   # checked with the WebSocket message
+                        ("cache_salt", body.cache_salt)):
         if value is not None:
             fields[name] = value
     return body, fields
