@@ -51,7 +51,9 @@ def extend_names(names: list[bytes], root: bytes, tokens: list[int], block_size:
     parent = names[-1] if names else root
     for i in range(len(names), blocks):
         if salt and i == salt_at:
-            parent = blake2b(parent + salt, digest_size=NAME_BYTES).digest()
+            # its own domain (`person`): no salt can make this input equal a block's, so a
+            # chosen salt never lands its chain on another scope's names
+            parent = blake2b(parent + salt, digest_size=NAME_BYTES, person=b"cache-salt").digest()
         ids = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
         parent = blake2b(parent + ids, digest_size=NAME_BYTES).digest()
         names.append(parent)

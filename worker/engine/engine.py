@@ -34,7 +34,6 @@ from shared.errors import ErrorCode
 from shared.protocol import MAX_TOP_LOGPROBS
 from worker.engine import attention
 from worker.engine.block_pool import prefix_root
-from worker.engine.shared_prefix import SharedPrefixes
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.grammar import GrammarError, Grammars
@@ -47,6 +46,7 @@ from worker.engine.runner import ModelRunner
 from worker.engine.sampling import make_generator, skip
 from worker.engine.scheduler import Scheduler, StepPlan
 from worker.engine.sequence import Sequence
+from worker.engine.shared_prefix import SharedPrefixes
 from worker.engine.types import EngineRejected, EngineRequest, FinishReason, StepOutput  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
