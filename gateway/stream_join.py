@@ -175,6 +175,12 @@ class StreamJoin:
                 self.delivered = seq
                 out.append(ev)
         elif ev.is_final:
+            if seq < self.start:    # a resume after more tokens than the request ever had
+                self.final = ErrEvent.here(self.rid, seq, ErrorCode.INVALID_REQUEST,
+                                           f"last_seq {self.start} is past the end of the request's output "
+                                           f"({seq} tokens)")
+                out.append(self.final)
+                return
             if seq > self.delivered:
                 if from_history:
                     self._lose(f"tokens {self.delivered + 1}-{seq} are missing from the request's history "

@@ -263,6 +263,10 @@ class Submitter:
         """Every event of rid's history after token `after_seq` (token events and the final)."""
         # token events are `{seq}-0`, the final `{seq}-1`: from `{after}-1` on is exactly "after"
         entries = await self.redis.xrange(self.keys.out(rid), min=f"{after_seq}-1", max="+")
+        if not entries and after_seq:
+            # nothing after it: a resume past the end of a finished output gets the final all
+            # the same (the join answers it), not a wait for tokens that will never come
+            entries = [e for e in await self.redis.xrevrange(self.keys.out(rid), count=1) if as_str(e[0]).endswith("-1")]
         events = (decode_event(fields[ENTRY_FIELD]) for _, fields in entries)
         return [ev for ev in events if isinstance(ev, HISTORY_TYPES)]
 

@@ -154,6 +154,14 @@ def test_an_old_event_with_text_and_no_lengths_inside_is_a_gap_at_its_boundary_i
     assert out[0].ids == [4, 5] and j.gap is None
 
 
+def test_a_resume_past_the_end_of_the_output_is_refused_not_left_waiting():
+    j = StreamJoin(9, attaching=True)
+    j.marker()
+    j.start_read()
+    out = j.history([done(6)])                        # what a read past the end returns: the final
+    assert j.ended and j.gap is None and isinstance(out[-1], ErrEvent) and out[-1].code == "invalid_request"
+
+
 def test_an_overlap_after_the_resume_point_is_still_a_gap():
     """Only the point where the join began may fall inside an event; an event overlapping tokens
     delivered since would splice two writers' outputs."""
