@@ -49,7 +49,8 @@ class TokEvent:
     `lens`: per token, how many characters of `text` were released with it (0 while the
     detokenizer holds bytes back; text that came with no id goes to the id before it, or to the
     first id), so a resume can cut the event at any token (`tail`). On the wire (`tl`) only
-    when the event has more than one token; None in events written before it existed."""
+    when the event has more than one token, as a bin of one byte a token when every length
+    fits (else an array); None in events written before it existed."""
     KIND: ClassVar[str] = "tok"
     is_final: ClassVar[bool] = False
 
@@ -61,7 +62,7 @@ class TokEvent:
     ms: int                              # when the oldest of these tokens was produced (worker clock)
     logprobs: list | None = None
     prompt_tokens: int = 0
-    lens: list[int] | None = None
+    lens: list[int] | bytes | None = None     # bytes: as decoded from the wire (one length a byte)
 
     @property
     def n(self) -> int:
@@ -101,8 +102,12 @@ class TokEvent:
             event["pt"] = self.prompt_tokens
         if self.logprobs is not None:
             event["lp"] = self.logprobs
-        if len(self.ids) > 1 and self.lens is not None and len(self.lens) == len(self.ids):
-            event["tl"] = self.lens
+        lens = self.lens
+        if len(self.ids) > 1 and lens is not None and len(lens) == len(self.ids):
+            try:        # one byte a token (a bin decodes as one object, not a list of ints)
+                event["tl"] = bytes(lens)
+            except ValueError:      # a token released 256 characters or more
+                event["tl"] = lens
         return _pack(event)
 
     def tail(self, after: int) -> "TokEvent | None":
@@ -135,7 +140,7 @@ class TokEvent:
         tl = d.get("tl")
         return cls(d.get("rid") or "", int(d.get("seq") or 0), ids if isinstance(ids, list) else [],
                    d.get("text") or "", int(d.get("ep") or 0), int(d.get("ms") or 0), d.get("lp"),
-                   int(d.get("pt") or 0), tl if isinstance(tl, list) else None)
+                   int(d.get("pt") or 0), tl if isinstance(tl, (list, bytes)) else None)
 
 
 def _lens_without_field(ev: TokEvent) -> list[int] | None:
