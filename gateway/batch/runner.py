@@ -112,7 +112,7 @@ class BatchRunner:
                                   args=[self.gw_id, holder or "", self.lease_ms])
         if taken:
             self.valid_until[batch_id] = now + self.s.batch_lease_s
-            if holder is not None:
+            if holder not in (None, self.gw_id):
                 log.warning("batch %s: taken over from gateway %s", batch_id, holder)
         return bool(taken)
 
@@ -149,34 +149,33 @@ class BatchRunner:
             return
         owner = raw["owner"]
         data = await self.files.content(owner, raw["input_file_id"])
-        lines = self._lines(data, raw["endpoint"])
-        if isinstance(lines, list) and raw["status"] == "validating":
+        lines, errors = self._lines(data, raw["endpoint"])
+        if errors and raw["status"] == "validating":
+            await self.store.move(batch_id, "failed", when=("validating",), extra={"errors": json.dumps(errors)})
+            await self.store.ended(batch_id)
+            return
+        if raw["status"] == "validating":
             await self.store.move(batch_id, "in_progress", when=("validating",), extra={"total": len(lines)})
-        elif not isinstance(lines, list):
-            if raw["status"] == "validating":
-                await self.store.move(batch_id, "failed", when=("validating",), extra={"errors": json.dumps(lines)})
-                await self.store.ended(batch_id)
-                return
-            lines = []                         # the input went away mid-run: what is left is cancelled
         if raw["status"] == "cancelling":
             status = "cancelled"
         else:
             status = await self._lines_of(batch_id, owner, lines, int(raw["expires_at"]))
         await self._finalize(batch_id, owner, lines, status)
 
-    def _lines(self, data: bytes | None, endpoint: str) -> list[BatchLine] | list[dict]:
-        """The batch's requests, or its errors (OpenAI's `errors.data`: code, line, message, param)."""
+    def _lines(self, data: bytes | None, endpoint: str) -> tuple[list[BatchLine], list[dict]]:
+        """The batch's requests, and its errors (OpenAI's `errors.data`: code, line, message, param);
+        an input deleted mid-run has no lines left to run (they are answered `batch_failed`)."""
         if data is None:
-            return [{"code": "file_not_found", "line": None, "message": "the input file no longer exists",
-                     "param": "input_file_id"}]
+            return [], [{"code": "file_not_found", "line": None, "message": "the input file no longer exists",
+                         "param": "input_file_id"}]
         try:
             lines = parse_lines(data, self.s.batch_max_lines)
         except LineErrors as exc:
-            return [{"code": "invalid_request", **e} for e in exc.errors]
+            return [], [{"code": "invalid_request", **e} for e in exc.errors]
         wrong = [{"code": "mismatched_endpoint", "line": ln.line, "param": "url",
                   "message": f"line {ln.line}: url {ln.url} is not the batch's endpoint {endpoint}"}
                  for ln in lines if ln.url != endpoint]
-        return wrong or lines
+        return lines, wrong
 
     async def _lines_of(self, batch_id: str, owner: str, lines: list[BatchLine], expires_at: int) -> str:
         """Run the unanswered lines, BATCH_CONCURRENCY at a time, until all are answered or the
