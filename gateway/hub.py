@@ -113,8 +113,8 @@ class Hub:
         s = self.settings
         self.core = RequestCore(starter=self.starter, resumer=self.resumer, submitter=self.submitter,
                                 sessions=self.sessions, metrics=self.metrics)
-        files = FileStore(self.redis, s.stream_prefix, ttl_s=s.batch_file_ttl_s)
-        batches = BatchStore(self.redis, s.stream_prefix, ttl_s=s.batch_file_ttl_s)
+        files = FileStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
+        batches = BatchStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
         self.batch_runner = BatchRunner(
             self.redis, s, gw_id=self.gw_id, gateways_key=self.keys.gateways, store=batches, files=files,
             lines=LineRunner(self.core, self.http_session, batches, s.served_model_name),

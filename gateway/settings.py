@@ -61,7 +61,7 @@ class GatewaySettings(Settings):
     batch_max_lines: int = Field(50_000, description="most requests one batch input file may hold")
     batch_file_ttl_s: int = Field(7 * 86400, description="how long uploaded files, batch output files and batch "
                                                          "objects stay in Redis")
-    batch_concurrency: int = Field(16, description="requests of one batch in flight at once (its lines wait their "
+    batch_concurrency: int = Field(8, description="requests of one batch in flight at once (its lines wait their "
                                                    "turn, so a batch cannot flood the request stream)")
     batch_runs_per_gateway: int = Field(4, description="batches one gateway replica runs at once")
     batch_lease_s: float = Field(10.0, description="a batch runner's lease; a replica that stops renewing it "

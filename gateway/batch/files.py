@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.auth import ANONYMOUS, is_anonymous
-from shared.streams import as_str
+from shared.streams import Keys, as_str
 
 # what a batch line may call; /v1/responses joins when that route lands (issue 35 item 1)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -102,16 +102,11 @@ def _line(item, seen: set[str]) -> tuple[str, str, dict]:
 
 
 class FileStore:
-    def __init__(self, redis: aioredis.Redis, prefix: str, *, ttl_s: int):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int):
         self.redis = redis
-        self.prefix = prefix
+        self.key = keys.file                  # one file's hash
+        self.index = keys.files               # an owner's files, for listing
         self.ttl_s = ttl_s
-
-    def key(self, file_id: str) -> str:
-        return f"{self.prefix}:{{f:{file_id}}}:file"
-
-    def index(self, owner: str) -> str:
-        return f"{self.prefix}:{{files}}:{owner}"
 
     async def create(self, owner: str, *, filename: str, purpose: str, data: bytes,
                      file_id: str | None = None) -> dict:

@@ -3,8 +3,8 @@ index, written with HSETNX so a line is answered exactly once however many repli
 record it), its attempts, the runner's lease, the list of active batches any replica's runner
 picks from, and each owner's index for `GET /v1/batches`.
 
-Keys (prefix `p`): `p:{b:<id>}:batch`, `p:{b:<id>}:results`, `p:{b:<id>}:attempts`,
-`p:{b:<id>}:lease`, `p:{batches}:active`, `p:{batches}:<owner>`. A batch's keys share one slot,
+Keys (shared.streams.Keys, prefix `p`): `p:{b:<id>}:batch`, `p:{b:<id>}:results`,
+`p:{b:<id>}:attempts`, `p:{b:<id>}:lease`, `p:{batches}:active`, `p:{batches}:<owner>`. A batch's keys share one slot,
 so the record script is one atomic step on a Redis Cluster too; all expire BATCH_FILE_TTL_S
 after the batch ends (a completion window after it was created, until then).
 """
@@ -18,7 +18,7 @@ import time
 import redis.asyncio as aioredis
 
 from gateway.batch.files import page
-from shared.streams import as_str
+from shared.streams import Keys, as_str
 
 WINDOW_S = {"24h": 86400}
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -48,22 +48,23 @@ return 0
 
 
 class BatchStore:
-    def __init__(self, redis: aioredis.Redis, prefix: str, *, ttl_s: int):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int):
         self.redis = redis
-        self.prefix = prefix
+        self.keys = keys
         self.ttl_s = ttl_s
         self._record = redis.register_script(_RECORD)
         self._move = redis.register_script(_MOVE)
 
     def key(self, batch_id: str, part: str = "batch") -> str:
-        return f"{self.prefix}:{{b:{batch_id}}}:{part}"
+        """One of the batch's keys (shared.streams.Keys): batch, results, attempts, lease."""
+        return getattr(self.keys, "batch" if part == "batch" else f"batch_{part}")(batch_id)
 
     @property
     def active(self) -> str:
-        return f"{self.prefix}:{{batches}}:active"
+        return self.keys.batches_active
 
     def index(self, owner: str) -> str:
-        return f"{self.prefix}:{{batches}}:{owner}"
+        return self.keys.batches(owner)
 
     async def create(self, owner: str, *, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict | None) -> dict:
