@@ -28,7 +28,7 @@ from gateway.batch.runner import BatchRunner
 from gateway.batch.store import BatchStore
 from gateway.bookkeeping import Bookkeeper
 from gateway.heartbeats import HeartbeatWheel
-from gateway.housekeeping import Duty, Housekeeping, gateway_duties
+from gateway.housekeeping import Housekeeping, gateway_duties
 from gateway.inbox import Inbox
 from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
@@ -119,12 +119,10 @@ class Hub:
             self.redis, s, gw_id=self.gw_id, gateways_key=self.keys.gateways, store=batches, files=files,
             lines=LineRunner(self.core, self.http_session, batches, s.served_model_name),
             draining=lambda: self.sessions.draining)
-        batch_tick = max(0.05, min(s.sweep_interval_s, 1.0, s.gateway_heartbeat_s))
         self.housekeeping = Housekeeping(gateway_duties(
             s, sessions=self.sessions, cancel_watch=self.cancel_watch, submitter=self.submitter,
             liveness=self.liveness, router=self.router, metrics=self.metrics,
-            read_backlog=self._read_backlog_metrics) + [Duty("batches", batch_tick, self.batch_runner.tick)],
-            self.metrics)
+            read_backlog=self._read_backlog_metrics, batches=self.batch_runner.tick), self.metrics)
         self.websocket = WebSocketFront(core=self.core, key_checker=self.key_checker, origins=self.origins,
                                         socket_caps=self.socket_caps, settings=s, metrics=self.metrics,
                                         websocket_session=self.websocket_session)
