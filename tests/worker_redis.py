@@ -178,6 +178,18 @@ async def worker_info(redis, keys: Keys, worker: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.worker(worker))).items()}
 
 
+async def beats_after(redis, keys: Keys, worker: str, after_ms: int, *, count: int = 1, timeout: float = 30.0) -> None:
+    """Wait until `worker` has written `count` registry heartbeats after `after_ms` (wall clock):
+    its event loop has run that many heartbeat rounds since (a wait on the worker's own
+    progress, not on a guessed time)."""
+    last = after_ms
+    for _ in range(count):
+        async def newer() -> bool:
+            return int((await worker_info(redis, keys, worker)).get("heartbeat_ms", 0)) > last
+        assert await eventually(newer, timeout=timeout, interval=0.05), f"worker {worker} stopped beating"
+        last = int((await worker_info(redis, keys, worker))["heartbeat_ms"])
+
+
 async def meta_of(redis, keys: Keys, rid: str) -> dict[str, str]:
     """rid's meta hash (owner, epoch, lease, gw, ...) as strings."""
     return {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.meta(rid))).items()}

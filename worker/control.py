@@ -5,7 +5,7 @@ Why its own module: a gateway reaches the worker that owns a request only throug
 
 * cancel: goes straight into the engine inbox, effective at the next step boundary;
 * take (routing): another worker handed us a request entry routed here; it is in our pending
-  list, intake runs it (worker.intake.take_forwarded);
+  list, intake runs it (worker.intake.Intake.take_forwarded);
 * attach (a client resumed on gateway `gw`): the request's live events are routed to `gw`'s
   inbox from now on; the writer flushes what it has, then sends the attach marker "everything
   <= S is in history" (worker.output_writer.OutputWriter.attach). For a request this worker
@@ -78,7 +78,7 @@ class Control:
         except Exception:
             log.warning("ignoring malformed control entry %r", raw[:100] if raw else raw)
             return
-        st = self.table.requests.get(rid)
+        st = self.table.get(rid)
         if kind == "cancel":
             if st is not None and not st.engine_done:
                 self.engine.submit(Cancel(rid, received_at=time.time()))

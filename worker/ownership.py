@@ -5,7 +5,7 @@ worker may run it at a time, and that has to hold when workers pause (SIGSTOP, a
 freeze), die, or get an entry delivered that another worker has since claimed. The decision is
 one Lua script on the request's slot `{r:rid}`, with Redis's own clock (`TIME`), so worker
 clocks never matter. Meta ownership is the single source of truth; the consumer group's
-pending list (PEL) follows it (worker.intake's keep-fresh).
+pending list (PEL) follows it (worker.leases' keep-fresh).
 
 * take (`TAKE`): a worker becomes the owner only if the request is unowned, already its own,
   or its owner's lease has lapsed; then, in the same script, it sets `owner` and a new lease,
@@ -116,7 +116,7 @@ class Finished:
 
 
 def keep_fresh_interval(settings: Settings) -> float:
-    """How often an owner refreshes its entries and leases (worker.intake's keep-fresh)."""
+    """How often an owner refreshes its entries and leases (worker.leases' keep-fresh)."""
     return max(0.1, min(settings.worker_heartbeat_s, settings.claim_idle_ms / 3000))
 
 
