@@ -38,14 +38,18 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def body(i: int, tokens: int) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": f"Write report {i} about the sea."}],
-            "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+            "max_tokens": tokens, "temperature": 0}
+
+
+EOS = {"ignore_eos": True}       # every answer runs to max_tokens (vLLM's extension; `extra_body` in the SDK)
 
 
 async def trickle(oai: AsyncOpenAI, args) -> list[float]:
     """TTFT (ms) of `args.interactive` streamed chats, one every `args.every` seconds."""
     async def one(i: int) -> float:
         start = time.perf_counter()
-        stream = await oai.chat.completions.create(**body(10_000 + i, args.interactive_tokens), stream=True)
+        stream = await oai.chat.completions.create(**body(10_000 + i, args.interactive_tokens), stream=True,
+                                                   extra_body=EOS)
         first = None
         async for _ in stream:
             first = first or time.perf_counter()
@@ -59,7 +63,7 @@ async def trickle(oai: AsyncOpenAI, args) -> list[float]:
 
 async def beside_batch(oai: AsyncOpenAI, args) -> tuple[list[float], int, float]:
     data = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
-                               "body": body(i, args.batch_tokens)}) + "\n" for i in range(args.batch)).encode()
+                               "body": {**body(i, args.batch_tokens), **EOS}}) + "\n" for i in range(args.batch)).encode()
     upload = await oai.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
     t0 = time.perf_counter()
     batch = await oai.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -80,7 +84,7 @@ async def beside_interactive(oai: AsyncOpenAI, args) -> tuple[list[float], int, 
     async def one(i: int) -> None:
         nonlocal finished
         async with sem:
-            await oai.chat.completions.create(**body(i, args.batch_tokens))
+            await oai.chat.completions.create(**body(i, args.batch_tokens), extra_body=EOS)
             finished += 1
     t0 = time.perf_counter()
     background = asyncio.gather(*(one(i) for i in range(args.batch)))

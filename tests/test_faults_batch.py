@@ -21,8 +21,9 @@ from tests.stack_fixtures import start_gateway, start_workers
 from tests.worker_redis import read_events, text_of
 
 MODEL = "SmolLM2-135M-Instruct"
-GW_ENV = {"PER_KEY_CONCURRENCY": 64, "PER_KEY_RATE_PER_MIN": 100000, "RESUME_GRACE_S": 15, "GATEWAY_TTL_S": 2,
-          "GATEWAY_HEARTBEAT_S": 0.5, "BATCH_CONCURRENCY": 4, "BATCH_LEASE_S": 30}
+# RESUME_GRACE_S and GATEWAY_TTL_S at their defaults (5 s each): the replica that takes a dead
+# runner's batch over re-attaches to its lines in flight before they would be cancelled as orphans
+GW_ENV = {"PER_KEY_CONCURRENCY": 64, "PER_KEY_RATE_PER_MIN": 100000, "BATCH_CONCURRENCY": 4}
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2}
 LINES = 32
 

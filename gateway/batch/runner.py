@@ -156,15 +156,17 @@ class BatchRunner:
             return
         if raw["status"] == "validating":
             await self.store.move(batch_id, "in_progress", when=("validating",), extra={"total": len(lines)})
-        if raw["status"] == "cancelling":
+        if errors:                             # the input was deleted mid-run: what was answered stays
+            status = "failed"
+        elif raw["status"] == "cancelling":
             status = "cancelled"
         else:
             status = await self._lines_of(batch_id, owner, lines, int(raw["expires_at"]))
-        await self._finalize(batch_id, owner, lines, status)
+        await self._finalize(batch_id, owner, lines, status, errors)
 
     def _lines(self, data: bytes | None, endpoint: str) -> tuple[list[BatchLine], list[dict]]:
         """The batch's requests, and its errors (OpenAI's `errors.data`: code, line, message, param);
-        an input deleted mid-run has no lines left to run (they are answered `batch_failed`)."""
+        an input deleted mid-run has no lines left to run: the batch fails with what it answered."""
         if data is None:
             return [], [{"code": "file_not_found", "line": None, "message": "the input file no longer exists",
                          "param": "input_file_id"}]
@@ -224,7 +226,8 @@ class BatchRunner:
         return watcher.result() if watcher.done() and not watcher.cancelled() and watcher.exception() is None \
             else "completed"
 
-    async def _finalize(self, batch_id: str, owner: str, lines: list[BatchLine], status: str) -> None:
+    async def _finalize(self, batch_id: str, owner: str, lines: list[BatchLine], status: str,
+                        errors: list[dict] | None = None) -> None:
         """The output and error files, in line order; lines never answered get an error line."""
         if status == "completed" and not await self.store.move(batch_id, "finalizing", when=("in_progress",)):
             if await self.store.status(batch_id) == "cancelling":     # cancelled as its last line ended
@@ -239,7 +242,11 @@ class BatchRunner:
                                                                           "request ran"}}
         good = [a for _, a in sorted(answers.items()) if (a.get("response") or {}).get("status_code") == 200]
         bad = [a for _, a in sorted(answers.items()) if (a.get("response") or {}).get("status_code") != 200]
-        extra = {"total": len(lines), "completed": len(good), "failed": len(bad)}
+        extra = {"completed": len(good), "failed": len(bad)}
+        if lines:
+            extra["total"] = len(lines)
+        if errors:
+            extra["errors"] = json.dumps(errors)
         hex_id = batch_id.removeprefix("batch_")
         for name, part in (("output_file_id", good), ("error_file_id", bad)):
             if part:
@@ -248,7 +255,7 @@ class BatchRunner:
                     data="".join(json.dumps(a) + "\n" for a in part).encode(),
                     file_id=f"file-{hex_id}-{name.split('_')[0]}")
                 extra[name] = meta["id"]
-        when = ("finalizing",) if status == "completed" else ("in_progress", "validating", "cancelling")
+        when = ("finalizing",) if status == "completed" else ("in_progress", "validating", "cancelling", "finalizing")
         await self.store.move(batch_id, status, when=when, extra=extra)
         await self.store.ended(batch_id)
         log.info("batch %s %s: %d answered, %d failed", batch_id, status, len(good), len(bad))
