@@ -8,7 +8,9 @@ gets, with exactly the collaborators it needs and never the hub itself:
 * a WebSocket's session (`websocket_session`) and an HTTP request's (`http_session`), each a
   request table and a `Sender` over the transport's `Writer`;
 * the fronts the endpoints reach (`WebSocketFront`, `HttpFront`) and the test/operations probe
-  (gateway.probe), which gateway.app puts in the app's state at start.
+  (gateway.probe), which gateway.app puts in the app's state at start;
+* the Batch API's stores and its runner (gateway.batch), a housekeeping duty that runs each
+  batch's lines through the same request core, on HTTP sessions like any other.
 Nothing here is needed by another replica: losing the process loses no request.
 """
 
