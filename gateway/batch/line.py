@@ -11,8 +11,9 @@ from its first token, so nothing runs twice. Its answer is recorded with HSETNX
 `run` returns whether the line is answered. Not answered: refused before it started for a reason
 that passes (rate, concurrency, overload, Redis), or cut off by this replica's drain or by
 another replica taking it over; the runner tries it again later (or leaves it to the new holder).
-A request that ended with a retryable failure (worker lost, stalled, output lost) runs again
-under the next attempt's key, up to MAX_ATTEMPTS; a refusal or a final failure is the answer.
+A request that ended with a retryable failure (worker lost, stalled, output lost) or was
+cancelled without the batch being cancelled runs again under the next attempt's key, up to
+MAX_ATTEMPTS; a refusal or a final failure is the answer.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from redis.exceptions import RedisError
 from gateway.batch.files import BatchLine
 from gateway.batch.store import BatchStore
 from gateway.openai import structured
-from gateway.openai.errors import APIError
+from gateway.openai.errors import CANCELLED_CODE, APIError
 from gateway.openai.response import CHAT_PREFIX, TEXT_PREFIX, OpenAIResponse
 from gateway.openai.schema import parse_body
 from gateway.openai.session import HttpSession
@@ -101,7 +102,11 @@ class LineRunner:
         error = out.api_error()
         if error is not None and error.code in NOT_AN_ANSWER:
             return False
-        if error is not None and error.code in RETRYABLE and attempt + 1 < MAX_ATTEMPTS:
+        # a retryable failure, or a cancel the batch did not ask for (an orphan nobody re-attached
+        # to in time): the line runs again under its next attempt's key
+        again = error is not None and (error.code in RETRYABLE or (error.code == CANCELLED_CODE
+                                                                   and not cancelled.is_set()))
+        if again and attempt + 1 < MAX_ATTEMPTS:
             await self.store.attempt(batch_id, line.index, bump=True)
             return False
         status, answer = out.body()
