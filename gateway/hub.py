@@ -45,7 +45,7 @@ from gateway.requests import RequestTable
 from gateway.resume import Resumer
 from gateway.router import Router
 from gateway.sender import Sender, WakeEvent
-from gateway.sessions import Sessions
+from gateway.sessions import DRAIN_TIMEOUT_S, Sessions
 from gateway.settings import GatewaySettings
 from gateway.submit import Submitter
 from gateway.ws.connection import Connection
@@ -164,7 +164,7 @@ class Hub:
     def draining(self) -> bool:
         return self.sessions.draining
 
-    async def drain(self, timeout: float = 5.0) -> None:
+    async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         await self.sessions.drain(timeout)
         if self.batch_runner:
             await self.batch_runner.stop()

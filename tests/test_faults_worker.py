@@ -15,9 +15,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.backlog import live_workers
+from shared.events import TokEvent
 from shared.localredis import LocalRedis
-from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event_list,
-                            encode_cancel, encode_tok, history_id)
+from shared.sampling import SamplingParams
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, decode_event_list,
+                            encode_cancel, history_id)
 from tests.gateway_client import eventually
 from tests.stack_fixtures import (engine_pids, metric, pid_alive, scrape, start_synthetic_worker, start_worker,
                                   start_workers, wait_for_worker)
@@ -696,7 +698,7 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
     rid = await submit(redis_client, keys, max_tokens=5)
     # its last (dead) worker had already streamed two tokens
     for seq in (1, 2):
-        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: encode_tok(rid, seq, [7], "x", 1, 0)},
+        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: TokEvent(rid, seq, [7], "x", 1, 0).encode()},
                                 id=history_id(seq, False))
     resp = await redis_client.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"}, count=1)
     entry_id = resp[0][1][0][0]

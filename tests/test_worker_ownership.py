@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from shared.aio import cancel_and_wait
 from shared.config import Settings
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str, encode_done, encode_tok
+from shared.events import DoneEvent, DoneUsage, TokEvent
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str
 from tests.gateway_client import eventually
 from tests.worker_redis import meta_of, new_rid, pending_after_acks, read_events, submit
 from worker.engine_thread import EngineThread
@@ -65,17 +66,17 @@ async def test_a_worker_takes_a_request_only_unowned_its_own_or_after_its_owners
     # the lease lapsed (its owner stopped refreshing it: it died): another worker takes it, with the
     # delivered tokens a continuation starts from, and the cancel flag
     await redis_client.hset(keys.meta("r"), "lease", await redis_ms(redis_client) - 1)
-    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: encode_tok("r", 2, [5, 6], "ab", 2, 0)}, id="2-0")
+    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: TokEvent("r", 2, [5, 6], "ab", 2, 0).encode()}, id="2-0")
     await redis_client.set(keys.cancel("r"), 1)
     got = await wb.take("r")
     assert isinstance(got, Taken) and got.epoch == 3 and got.cancelled
-    assert [(e["k"], e["seq"], e["ids"]) for e in got.history] == [("tok", 2, [5, 6])]
+    assert [(e.KIND, e.seq, e.ids) for e in got.history] == [("tok", 2, [5, 6])]
     assert (await meta_of(redis_client, keys, "r"))["owner"] == "wb"
     # an owner without a lease (a worker from before leases) counts as lapsed
     await redis_client.hdel(keys.meta("r"), "lease")
     assert (await wa.take("r", whole_history=False)).epoch == 4
     # a history that ends with a final: nothing to run, not taken, nothing written (only an ack is due)
-    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: encode_done("r", 2, "length", 1, 2, 4, 0)}, id="2-1")
+    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: DoneEvent("r", 2, "length", DoneUsage(1, 2), 4, 0).encode()}, id="2-1")
     before = await redis_client.hgetall(keys.meta("r"))
     assert isinstance(await wb.take("r"), Finished) and isinstance(await wa.take("r"), Finished)
     assert await redis_client.hgetall(keys.meta("r")) == before

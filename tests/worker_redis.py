@@ -7,7 +7,9 @@ import time
 import uuid
 
 from gateway.stream_join import StreamJoin
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event, decode_event_list
+from shared.sampling import SamplingParams
+from shared.events import event_from_map
+from shared.streams import ENTRY_FIELD, Keys, RequestEntry, decode_event, decode_event_list
 from tests.gateway_client import eventually
 
 
@@ -100,13 +102,25 @@ def client_view(live: list[dict], history: list[dict] | None = None, *, after: i
     order, then the final, or the `output_lost` error where the history cannot fill a hole.
     `after`: the client already has tokens up to here."""
     join = StreamJoin(after)
+    given: dict[int, dict] = {}         # the join takes typed events (shared.events); this view gives back the maps
+    keep: list = []
+
+    def typed(maps: list[dict]) -> list:
+        events = [event_from_map(e) for e in maps]
+        keep.extend(events)
+        given.update((id(ev), e) for ev, e in zip(events, maps))
+        return events
+
+    def as_maps(events: list) -> list[dict]:     # a gap's output_lost final is the join's own
+        return [given.get(id(ev)) or {"k": ev.KIND, "seq": ev.seq, "code": ev.code, "message": ev.message,
+                                      "retryable": ev.retryable, "local": True} for ev in events]
     out: list[dict] = []
     for ev in live:
         if ev.get("k") == "att":
             continue                    # attach markers matter to a resuming join only
-        out += join.live(ev)
+        out += as_maps(join.live(typed([ev])[0]))
         while join.wants_read and not join.ended:
-            out += join.history(history_after(history or [], join.start_read()))
+            out += as_maps(join.history(typed(history_after(history or [], join.start_read()))))
     return out
 
 

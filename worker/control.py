@@ -28,7 +28,8 @@ import msgpack
 from redis.exceptions import RedisError
 
 from shared.errors import ErrorCode
-from shared.streams import ENTRY_FIELD, TOKENIZE_KINDS, Keys, as_str, encode_tokenize_reply
+from shared.events import TokenizeReply
+from shared.streams import ENTRY_FIELD, TOKENIZE_KINDS, Keys, as_str
 from worker.engine_client import Cancel, EngineClient
 from worker.inflight import InFlightTable
 from worker.output_writer import OutputWriter
@@ -118,6 +119,6 @@ class Control:
             except TimeoutError:         # the gateway has given up long since; free the slot
                 answer = refusal(ErrorCode.STALLED, f"no answer from the tokenizer within {TOKENIZE_TIMEOUT_S:g} s")
         try:
-            await self.writer.to_inbox(gw, encode_tokenize_reply(reply_id, answer))
+            await self.writer.to_inbox(gw, TokenizeReply.from_answer(reply_id, answer).encode())
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("tokenize reply to gateway %s not written: %s", gw, exc)

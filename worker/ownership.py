@@ -36,7 +36,8 @@ from typing import Iterable
 from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
 
 from shared.config import Settings
-from shared.streams import ENTRY_FIELD, Keys, as_str, decode_event
+from shared.events import HistoryEvent, decode_event
+from shared.streams import ENTRY_FIELD, Keys, as_str
 from worker.events import InFlight
 from worker.redis_io import TRANSIENT
 
@@ -99,7 +100,7 @@ class Taken:
     gw: str                  # meta.gw: where live events go
     att: int                 # meta.att: > 0 once someone resumed it (an attach marker goes first)
     cancelled: bool
-    history: list[dict]      # its events, oldest first (only the last one unless the whole was asked for)
+    history: list[HistoryEvent]   # its events, oldest first (only the last one unless the whole was asked for)
 
 
 @dataclass
@@ -155,7 +156,7 @@ class Ownership:
         _, epoch, meta_gw, att, cancelled, raw_history = reply
         return Taken(epoch=int(epoch), gw=as_str(meta_gw) if meta_gw else "", att=int(att or 0),
                      cancelled=bool(cancelled),
-                     history=[_event(entry) for entry in raw_history])
+                     history=[ev for ev in map(_event, raw_history) if ev is not None])
 
     async def keep(self, states: list[InFlight]) -> list[int]:
         """One keep-fresh round for `states`: per request -1 (taken over: its epoch moved on),
@@ -205,8 +206,9 @@ class Ownership:
         raise RedisConnectionError("the ownership scripts keep disappearing from Redis (restarting?)")
 
 
-def _event(entry: list) -> dict:
-    """A history entry as a script returns it ([id, [field, value, ...]]) -> its event."""
+def _event(entry: list) -> HistoryEvent | None:
+    """A history entry as a script returns it ([id, [field, value, ...]]) -> its event (None: a
+    kind this version does not know)."""
     fields = entry[1]
     for i in range(0, len(fields) - 1, 2):
         if as_str(fields[i]) == ENTRY_FIELD.decode():

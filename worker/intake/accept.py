@@ -16,6 +16,7 @@ import logging
 
 from shared.config import Settings
 from shared.errors import ErrorCode
+from shared.events import TokEvent
 from shared.logs import rid_of
 from shared.streams import ENTRY_FIELD, META_LEASE, META_OWNER, Keys, RequestEntry
 from worker import failover
@@ -79,7 +80,7 @@ class Acceptor:
             return
         st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, gw=got.gw, worker=self.worker_id)
         # a continuation's first token is an earlier run's: TTFT counts from that one
-        st.first_token_ms = next((int(e.get("ms") or 0) for e in history if e.get("k") == "tok"), 0)
+        st.first_token_ms = next((e.ms for e in history if isinstance(e, TokEvent)), 0)
         if got.att > 0 and st.gw:
             st.marker_att = got.att
         decision = failover.decide(entry, progress, history)
