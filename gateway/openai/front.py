@@ -15,6 +15,7 @@ from starlette.requests import Request
 from gateway.auth import KeyChecker, bearer_token
 from gateway.metrics import GatewayMetrics
 from gateway.openai.errors import APIError
+from gateway.openai.responses_store import ResponseStore
 from gateway.openai.session import HttpSession
 from gateway.request_core import RequestCore
 from gateway.settings import GatewaySettings
@@ -29,6 +30,7 @@ class HttpFront:
     metrics: GatewayMetrics
     http_session: Callable[[], HttpSession]             # a new session (request table, sender, watchdogs)
     ask_worker: Callable[[str, dict], Awaitable[dict]]  # one request/reply with a live worker (tokenize)
+    responses: ResponseStore                            # stored Responses API responses
 
     @staticmethod
     def of(request: Request) -> "HttpFront":
