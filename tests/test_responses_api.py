@@ -16,7 +16,6 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.openai.response_events import ResponseEvents
 from tests.gateway_client import eventually
 from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker
 from tests.tool_model import make_tool_model_dir
@@ -195,16 +194,3 @@ async def test_refusals_are_typed_400s(gw, fields, param):
             else await client(gw).responses.create(model=MODEL, input=PROMPT, extra_body=fields)
     assert info.value.body["param"] == param
 
-
-def test_event_numbering_is_independent_of_chunking():
-    base = {"id": "resp_" + "a" * 32, "model": MODEL}
-    text = "Hello there, this is some text with averyveryverylongwordthatgoesonandon\nand more."
-    runs = []
-    for cut in (1, 3, 7, len(text)):
-        ev = ResponseEvents(base)
-        out = ev.start()
-        for i in range(0, len(text), cut):
-            out += ev.text(text[i:i + cut])
-        out += ev.finish("stop", prompt_tokens=3, completion_tokens=9)
-        runs.append(out)
-    assert all(r == runs[0] for r in runs)

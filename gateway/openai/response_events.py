@@ -119,7 +119,8 @@ class ResponseEvents:
         self.ended = True
         if finish_reason == "error":
             self.status = "failed"
-            self.error = {"code": (error or {}).get("code", "server_error"), "message": (error or {}).get("message", "")}
+            error = error or {}
+            self.error = {"code": error.get("code", "server_error"), "message": error.get("message", "")}
             out.append(self._ev("response.failed", response=self.response()))
         elif finish_reason == "cancelled":
             self.status = "cancelled"

@@ -45,7 +45,8 @@ class ResponseWriter(OpenAIResponse):
             if not self.stream:
                 return ""
             body = APIError.from_code(msg.code, msg.message).body()["error"]
-            return f"event: error\ndata: {json.dumps({'type': 'error', 'sequence_number': self.events.number, **body})}\n\n"
+            event = {"type": "error", "sequence_number": self.events.number, **body}
+            return f"event: error\ndata: {json.dumps(event)}\n\n"
         return ""
 
     async def send(self, msg: BaseModel) -> None:

@@ -63,7 +63,8 @@ class ResponseStore:
         key = self.keys.response(s.hex)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(key, mapping={"key": s.key_id, "base": json.dumps(s.base), "conv": json.dumps(s.conversation),
-                                    "input": json.dumps(s.input), "mode": s.mode or "", "lp": "1" if s.logprobs else ""})
+                                    "input": json.dumps(s.input), "mode": s.mode or "",
+                                    "lp": "1" if s.logprobs else ""})
             pipe.expire(key, self.ttl_s)
             await pipe.execute()
 
@@ -76,7 +77,8 @@ class ResponseStore:
         data = {as_str(k): as_str(v) for k, v in raw.items()}
         if not data or not may_resume(data.get("key"), key_id):     # (anonymous: any anonymous client)
             return None
-        return Stored(hex=hex_id, key_id=data["key"], base=json.loads(data["base"]), conversation=json.loads(data["conv"]),
+        return Stored(hex=hex_id, key_id=data["key"], base=json.loads(data["base"]),
+                      conversation=json.loads(data["conv"]),
                       input=json.loads(data["input"]), mode=data.get("mode") or None, logprobs=bool(data.get("lp")),
                       final=json.loads(data["final"]) if data.get("final") else None,
                       cancelled=bool(data.get("cancelled")))
