@@ -194,3 +194,35 @@ async def test_refusals_are_typed_400s(gw, fields, param):
             else await client(gw).responses.create(model=MODEL, input=PROMPT, extra_body=fields)
     assert info.value.body["param"] == param
 
+
+
+async def test_langchain_chat_openai_on_the_responses_api(gw):
+    """LangChain's `ChatOpenAI(use_responses_api=True)`: a forced call, then the agent loop's
+    next turn with the call's result, plain and streamed."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class get_weather(BaseModel):
+        """The forecast for a city."""
+        city: str = Field(max_length=12)
+
+    llm = ChatOpenAI(model=MODEL, base_url=gw.base + "/v1", api_key=KEYS["alice"], max_retries=0, temperature=0,
+                     max_tokens=60, use_responses_api=True)
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather")
+    msg = await bound.ainvoke([HumanMessage(PROMPT)])
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather"
+    get_weather.model_validate(call["args"])
+    gathered = None
+    async for chunk in bound.astream([HumanMessage(PROMPT)]):
+        gathered = chunk if gathered is None else gathered + chunk
+    assert [c["name"] for c in gathered.tool_calls] == ["get_weather"]
+    reply = await llm.bind_tools([get_weather]).ainvoke(
+        [HumanMessage(PROMPT), msg, ToolMessage('{"temp": 21}', tool_call_id=call["id"])])
+    assert reply.response_metadata["status"] in ("completed", "incomplete")
+    streamed = None
+    async for chunk in llm.astream([HumanMessage(PROMPT)]):
+        streamed = chunk if streamed is None else streamed + chunk
+    plain = await llm.ainvoke([HumanMessage(PROMPT)])
+    assert streamed.text == plain.text and plain.text

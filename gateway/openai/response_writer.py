@@ -45,7 +45,8 @@ class ResponseWriter(OpenAIResponse):
             if not self.stream:
                 return ""
             body = APIError.from_code(msg.code, msg.message).body()["error"]
-            event = {"type": "error", "sequence_number": self.events.number, **body}
+            # numbered as the last event before it: `starting_after` that number misses nothing
+            event = {"type": "error", "sequence_number": max(self.events.number - 1, self.skip), **body}
             return f"event: error\ndata: {json.dumps(event)}\n\n"
         return ""
 
