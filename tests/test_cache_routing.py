@@ -91,7 +91,17 @@ async def test_requests_with_one_key_run_on_one_worker_and_survive_its_death(red
         for key in ("conversation-2", "tenant-system-prompt"):
             for i in range(4):
                 assert (await c.until_done(f"{key}-{i}", timeout=30))[1]["finish_reason"] == "cancelled"
-        assert after
+        # placement, from each request's final (`wk`: the worker that wrote it): the new turn ran
+        # on the survivor from its start (epoch 1: routed there, not taken over), and the other
+        # keys' turns ended on their own worker, or on the survivor where theirs was the victim
+        events = await read_events(redis_client, keys, after)
+        assert events[-1]["wk"] == survivor and {e["ep"] for e in events} == {1}, events[-1]
+        for key in ("conversation-2", "tenant-system-prompt"):
+            target = rendezvous(route_key(key, None, None), WORKERS)[0]
+            for rid in by_key[key]:
+                final = (await read_events(redis_client, keys, rid))[-1]
+                assert final["finish_reason"] == "cancelled", (key, final)
+                assert (final["wk"], final["ep"]) == ((survivor, 2) if target == victim else (target, 1)), (key, final)
         await c.close()
 
 

@@ -94,13 +94,14 @@ async def test_outputs_equal_the_thread_engines_and_cancels_end_requests(engine_
                           for o in want[rid]]
         assert all(o.emitted_ms > 0 for o in got[rid])
     assert got["long"][-1].finish_reason == "cancelled" and got["long"][-1].completion_tokens < 100_000
-    await asyncio.sleep(0.2)
-    # a silent cancel ends it without a final (tokens of steps before the cancel may come first)
+    # load figures arrive with outputs and every 0.5 s: the engine reports nothing running ...
+    assert await eventually(lambda: not proc.running and proc.steps > 0, timeout=5, interval=0.05)
+    assert proc.running == 0 and proc.waiting == 0 and proc.steps > 0 and proc.unhealthy_reason == ""
+    # ... so every output of "quiet" has crossed the pipe (they come before the figures of the step
+    # that applied its cancel): a silent cancel ends it without a final (tokens of steps before
+    # the cancel may come first)
     quiet = got["quiet"] + [o for o in proc.take_outputs() if o.rid == "quiet"]
     assert not any(o.finished for o in quiet)
-    # load figures arrive with outputs and every 0.5 s
-    await eventually(lambda: not proc.running and proc.steps > 0, timeout=5, interval=0.05)
-    assert proc.running == 0 and proc.waiting == 0 and proc.steps > 0 and proc.unhealthy_reason == ""
 
 
 async def test_a_prompt_over_the_limit_gets_its_typed_error_from_the_child(engine_process):
@@ -117,12 +118,18 @@ async def test_untaken_outputs_pause_the_engine_until_the_parent_takes_them(engi
     proc.start(lambda: None)
     for i in range(4):
         proc.submit(add(f"r{i}", 100_000))
-    await asyncio.sleep(1.5)                            # ~1000 steps' worth at 1 ms
+    # the parent holds a buffer's worth: from here the child has no credit and sends no outputs
+    assert await eventually(lambda: len(proc._outputs) >= 16, timeout=30, interval=0.05)
     held = len(proc._outputs)
+    assert 16 <= held < 16 + 4, held                    # it sent only while the parent held < 16
+    # the synthetic engine gives the request admitted first its n-th token at step n: the steps
+    # whose outputs came over
+    sent = max(o.completion_tokens for o in proc._outputs)
+    # the one step that found no credit shows in the next load figures (sent when no output
+    # carried them for 0.5 s); an engine that went on stepping would have sent its outputs
+    assert await eventually(lambda: proc.steps == sent + 1, timeout=10, interval=0.05), (sent, proc.steps)
     steps = proc.steps
-    await asyncio.sleep(0.7)
-    assert 16 <= held < 16 + 4 and proc.steps == steps, (held, steps, proc.steps)
-    assert steps <= 16 + 1                              # at most a step a held output, + the waiting one
+    assert len(proc._outputs) == held and steps <= 16 + 1   # at most a step a held output, + the waiting one
     taken = len(proc.take_outputs())
     await eventually(lambda: proc.steps > steps, timeout=5, interval=0.05)
     assert taken == held and proc.steps > steps         # credit returned: it steps again

@@ -1,6 +1,7 @@
-"""No import cycles inside gateway/, worker/ and shared/, type-checking imports included: a cycle
-hides who owns what (a module that needs its caller back should be handed a collaborator
-instead), and it is easy to bring back one import at a time."""
+"""No import cycles inside the product (gateway/, worker/, shared/) nor through the tools that
+import it (bench/, scripts/, deploy/), type-checking imports included: a cycle hides who owns
+what (a module that needs its caller back should be handed a collaborator instead), and it is
+easy to bring back one import at a time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "worker", "shared")
+PACKAGES = ("gateway", "worker", "shared", "bench", "scripts", "deploy")
 
 
 def modules() -> dict[str, Path]:
@@ -93,6 +94,8 @@ def test_the_detector_finds_a_cycle_through_a_type_checking_import():
 def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 50 and graph["gateway.hub"], "the scan found the project's modules"
+    assert graph["bench.engine"] and "scripts.stack" in graph and "deploy.healthcheck" in graph, \
+        "the scan found the tools' modules"
     found = cycles(graph)
     assert not found, "import cycles (pass the collaborator instead of importing its owner):\n" + \
         "\n".join(" <-> ".join(c) for c in found)

@@ -201,7 +201,8 @@ def contents(events: list[tuple[int | None, str]]) -> str:
     return "".join(out)
 
 
-async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event_id(redis_server, oai_stack):
+async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event_id(redis_server, redis_client,
+                                                                                     oai_stack):
     owner, other = "sk-oai-owner", "sk-oai-other"
     api_keys = ",".join(f"{name}:{hashlib.sha256(k.encode()).hexdigest()}" for name, k in (("a", owner), ("b", other)))
     auth = {"Authorization": f"Bearer {owner}"}
@@ -216,7 +217,12 @@ async def test_sse_dropped_mid_answer_resumes_on_another_replica_with_last_event
         oai_id = json.loads(first[0][1])["id"]
         last_id = first[-1][0]
         assert 0 < last_id and "[DONE]" not in [d for _, d in first]
-        await asyncio.sleep(0.5)
+        rid = oai_id.split("-", 1)[1]
+
+        async def parked() -> bool:     # gw_a saw the drop and parked the request for a resume
+            members = await redis_client.zrange(Keys(oai_stack).orphans, 0, -1)
+            return any(m.decode().startswith(rid + "|") for m in members)
+        assert await eventually(parked, timeout=10)
         async with httpx.AsyncClient(timeout=60) as http:
             # a stream of another key, or an unknown id, cannot be resumed
             for oai_id_, key in ((oai_id, other), ("chatcmpl-nope", owner)):

@@ -47,9 +47,14 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def tool_stack(redis_server, tmp_path_factory):
-    model_dir = make_tool_model_dir(tmp_path_factory.mktemp("tool-model") / "qwen2")
-    with prefix_with_worker(redis_server.url, model_dir, tmp_path_factory.mktemp("tool-logs"), name="w-tools") as prefix:
+def tool_model_dir(tmp_path_factory):
+    return make_tool_model_dir(tmp_path_factory.mktemp("tool-model") / "qwen2")
+
+
+@pytest.fixture(scope="module")
+def tool_stack(redis_server, tool_model_dir, tmp_path_factory):
+    with prefix_with_worker(redis_server.url, tool_model_dir, tmp_path_factory.mktemp("tool-logs"),
+                            name="w-tools") as prefix:
         yield prefix
 
 
@@ -167,27 +172,58 @@ async def test_a_forced_call_is_made_and_validates(gw, choice):
 
 async def test_auto_and_none(gw):
     """`auto`: the model is free (a random one rarely calls), and whatever it says comes back as
-    content or calls; `none`: plain text, the tools not shown."""
+    content or calls, with the finish reason that says what ended it (the same streamed);
+    `none`: plain text, the tools not shown."""
     for seed in (1, 2):
         r = await chat(gw, tools=[WEATHER], tool_choice="auto", temperature=1.0, seed=seed, max_tokens=20)
-        msg = r.choices[0].message
-        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        choice, msg = r.choices[0], r.choices[0].message
         assert (msg.content or "") or msg.tool_calls
-        for call in msg.tool_calls or ():
-            assert call.function.name
+        if msg.tool_calls:
+            assert choice.finish_reason == "tool_calls", r
+            for call in msg.tool_calls:
+                assert call.function.name == "get_weather"
+        elif r.usage.completion_tokens < 20:
+            assert choice.finish_reason == "stop", r            # ended by the model, before max_tokens
+        else:
+            assert r.usage.completion_tokens == 20 and choice.finish_reason in ("length", "stop"), r
+        content, calls, finish, _ = await streamed(gw, tools=[WEATHER], tool_choice="auto", temperature=1.0,
+                                                   seed=seed, max_tokens=20)
+        assert finish == choice.finish_reason and content == (msg.content or "")
+        assert [c["name"] for c in calls.values()] == [c.function.name for c in msg.tool_calls or ()]
     without = await chat(gw, max_tokens=10, temperature=0)
     none = await chat(gw, tools=[WEATHER], tool_choice="none", max_tokens=10, temperature=0)
     assert none.choices[0].message.content == without.choices[0].message.content
+    assert none.choices[0].finish_reason == without.choices[0].finish_reason
+    assert none.usage.prompt_tokens == without.usage.prompt_tokens       # the tools are not in the prompt
     assert none.choices[0].message.tool_calls is None
 
 
-async def test_tool_results_go_back_to_the_model(gw):
-    """The agent loop: the assistant's call appended as the SDK returns it, then the tool's answer."""
+async def test_tool_results_go_back_to_the_model(gw, tool_model_dir):
+    """The agent loop: the assistant's call appended as the SDK returns it, then the tool's
+    answer, which reaches the model's prompt: the prompt the worker counts is the model's chat
+    template over the whole conversation, the tool's text included (rendered here with the
+    model's own tokenizer), and a longer tool answer makes it longer by just that."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(tool_model_dir))
     r = await chat(gw, tools=[WEATHER], tool_choice="required", temperature=0)
-    messages = [*CHAT, r.choices[0].message.model_dump(),
-                {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": '{"temp": 21}'}]
-    again = await chat(gw, messages=messages, tools=[WEATHER], max_tokens=10, temperature=0)
-    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    call = r.choices[0].message.tool_calls[0]
+    counted = []
+    for result in ('{"temp": 21}', '{"temp": 21, "sky": "clear", "wind": "a light breeze from the west"}'):
+        messages = [*CHAT, r.choices[0].message.model_dump(),
+                    {"role": "tool", "tool_call_id": call.id, "content": result}]
+        again = await chat(gw, messages=messages, tools=[WEATHER], max_tokens=10, temperature=0)
+        assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        rendered = tokenizer.apply_chat_template(
+            [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+             {"role": "tool", "tool_call_id": call.id, "content": result}],
+            tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+        assert f"<tool_response>\n{result}\n</tool_response>" in rendered
+        assert again.usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False)["input_ids"]), \
+            (again.usage, rendered)
+        counted.append(again.usage.prompt_tokens)
+    assert counted[1] > counted[0]
     with pytest.raises(openai.BadRequestError) as info:    # a tool answer must say which call
         await chat(gw, messages=[*CHAT, {"role": "tool", "content": "x"}])
     assert info.value.body["param"] == "messages[1].tool_call_id"
