@@ -48,7 +48,8 @@ def test_a_text_answer_in_openais_order():
     events = run("Hi there", 1, prompt_tokens=4, completion_tokens=2, cached_tokens=3)
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.completed"]
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     msg = events[-1]["response"]["output"][0]
@@ -58,6 +59,7 @@ def test_a_text_answer_in_openais_order():
         "input_tokens": 4, "input_tokens_details": {"cached_tokens": 3}, "output_tokens": 2,
         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 6}
     assert events[2]["item"]["status"] == "in_progress" and events[2]["item"]["content"] == []
+    assert [e["delta"] for e in events if "delta" in e] == ["H", "i ", "there"]    # the first token not held
 
 
 def test_calls_between_text_become_items():

@@ -5,8 +5,9 @@ Why pure: a client re-attaches to a response with `starting_after=N` on any repl
 get exactly the events after its event N. So the events may depend on nothing a replica or a
 moment decides: not on how the gateway's flusher cut the tokens into chunks (time-based), not on
 random ids. Here
-* the text is cut into deltas by the text alone (`TextPieces`: a piece ends after a blank, or
-  at PIECE_CHARS characters), so any chunking of the same text gives the same deltas;
+* the text is cut into deltas by the text alone (`TextPieces`: its first character, then a
+  piece ends after a blank, or at PIECE_CHARS characters), so any chunking of the same text
+  gives the same deltas;
 * item and call ids are derived from the response id and the item's index;
 * `created_at` and every request field come from the stored response (`base`).
 A re-attach replays the request's history from its first token through a fresh
@@ -29,15 +30,21 @@ _BLANKS = " \t\r\n"
 
 
 class TextPieces:
-    """Text fed in any pieces -> deltas that depend on the text only: each ends at the first
-    blank (included) or at PIECE_CHARS characters; the rest waits for more text or `finish`."""
+    """Text fed in any pieces -> deltas that depend on the text only: the first is the first
+    character (the first token is not held back: time to first token), then each ends at the
+    first blank (included) or at PIECE_CHARS characters; the rest waits for more text or `finish`."""
 
     def __init__(self) -> None:
         self.buf = ""
+        self.started = False
 
     def feed(self, text: str) -> list[str]:
         self.buf += text
         out = []
+        if not self.started and self.buf:
+            self.started = True
+            out.append(self.buf[0])
+            self.buf = self.buf[1:]
         while True:
             cut = next((i + 1 for i, ch in enumerate(self.buf[:PIECE_CHARS]) if ch in _BLANKS), None)
             if cut is None and len(self.buf) >= PIECE_CHARS:
