@@ -41,7 +41,7 @@ def child(root: Path, shape: str, rows: int, layers: int, steps: int, threads: i
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shared.streams import SamplingParams
+    from shared.sampling import SamplingParams
     from worker.engine import Engine, EngineConfig, EngineRequest
 
     torch.set_num_threads(threads)

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from bench.common import table, write_json  # noqa: E402
 from worker.engine.detokenize import IncrementalDetokenizer  # noqa: E402
-from worker.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
+from worker.engine.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
 
 TEXT = "Héllo wörld! 日本語のテキスト 🙂🚀 emoji, code: def f(x): return x**2  \n\n  spaces. "
 

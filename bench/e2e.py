@@ -132,7 +132,7 @@ async def run_load(url: str, n: int, rate: float, concurrency: int, max_tokens: 
 
 def run_in_process(settings, n: int, rate: float, concurrency: int, max_tokens: int, seed: int) -> tuple[list[Result], float]:
     """The same requests and arrival schedule, straight into an Engine in this process."""
-    from shared.streams import SamplingParams
+    from shared.sampling import SamplingParams
     from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
 
     model, tokenizer = load_model(settings)

@@ -58,11 +58,16 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList 
 
 from bench.common import llamacpp_events, percentile, run_threads, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
-from shared.streams import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
 from worker.engine.config import default_prefill_chunk, resolve_dtype  # noqa: E402
 from worker.engine.quantize import Int4Linear  # noqa: E402
-from worker.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
+
+try:
+    from shared.sampling import SamplingParams
+    from worker.engine.model_files import SMOLLM2_GGUF, smollm2_dir
+except ImportError:   # a tree from before issue 33 (bench/engine_step.py --baseline-root imports this module there)
+    from shared.streams import SamplingParams
+    from worker.model_files import SMOLLM2_GGUF, smollm2_dir
 
 # Real models' shapes, for --random-weights (from their published config.json files).
 RANDOM_CONFIGS = {

@@ -41,10 +41,10 @@ import transformers  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench.common import table, write_json  # noqa: E402
-from shared.streams import SamplingParams  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from worker.engine import runner as runner_module  # noqa: E402
-from worker.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
+from worker.engine.model_files import SMOLLM2_GGUF, smollm2_dir  # noqa: E402
 
 
 class Timed:

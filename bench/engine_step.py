@@ -43,7 +43,10 @@ def child(root: Path, args) -> list[dict]:
     import torch
 
     from bench.engine import random_model
-    from shared.streams import SamplingParams
+    try:
+        from shared.sampling import SamplingParams
+    except ImportError:   # a --baseline-root from before issue 33
+        from shared.streams import SamplingParams
     from worker.engine import Engine, EngineConfig, EngineRequest
     from worker.engine.config import resolve_dtype
 

@@ -41,7 +41,7 @@ SCHEMAS = {
 
 def load_tokenizer():
     from transformers import AutoTokenizer
-    from worker.model_files import SMOLLM2_GGUF, smollm2_dir
+    from worker.engine.model_files import SMOLLM2_GGUF, smollm2_dir
     return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
 
 

@@ -28,7 +28,8 @@ import redis.asyncio as aioredis  # noqa: E402
 
 from bench.common import percentile, table, write_json  # noqa: E402
 from shared.localredis import LocalRedis  # noqa: E402
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from shared.streams import ENTRY_FIELD, Keys, RequestEntry, decode_event  # noqa: E402
 from tests.stack_fixtures import start_worker  # noqa: E402
 from tests.tiny_model import make_tiny_model_dir  # noqa: E402
 

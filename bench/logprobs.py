@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from bench.common import table, write_json  # noqa: E402
 from bench.engine import RANDOM_CONFIGS, random_model  # noqa: E402
-from shared.streams import SamplingParams  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from worker.engine.config import resolve_dtype  # noqa: E402
 

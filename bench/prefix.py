@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 from bench.common import llamacpp_events, percentile, run_threads, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
-from shared.streams import SamplingParams  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
 from worker.engine.quantize import Int4Linear  # noqa: E402
 

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from bench.common import percentile, table, write_json  # noqa: E402
 from shared.config import Settings  # noqa: E402
-from shared.streams import SamplingParams  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
 
 VARIANTS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"), "int4": dict(quantization="int4")}

@@ -31,17 +31,17 @@ from bench.common import table, write_json  # noqa: E402
 from gateway.flusher import ChunkBuffer  # noqa: E402
 from gateway.request_log import log_finished  # noqa: E402
 from gateway.request_state import RequestState  # noqa: E402
+from shared.events import DoneEvent, DoneUsage  # noqa: E402
 from shared.logs import configure, rid_of  # noqa: E402
 
 
-def finished_request() -> tuple[RequestState, dict]:
+def finished_request() -> tuple[RequestState, DoneEvent]:
     req = RequestState("chat-1", "f6ef3e429cff2cf71041d7f1afadf500", "key:bd67a06e770d62ce", ChunkBuffer(0.04, 24))
     t = req.started
     req.first_sent, req.meaningful_at, req.last_sent, req.seq = t + 0.21, t + 0.25, t + 3.9, 212
-    final = {"v": 2, "k": "done", "rid": req.rid, "seq": 212, "finish_reason": "stop", "ep": 1, "ms": 0,
-             "usage": {"prompt_tokens": 512, "completion_tokens": 212, "cached_tokens": 448, "ttft_ms": 180,
-                       "ttfmt_ms": 214, "ttlt_ms": 3870},
-             "wk": "worker-7f3c", "lane": "interactive"}
+    final = DoneEvent(req.rid, 212, "stop", DoneUsage(prompt_tokens=512, completion_tokens=212, cached_tokens=448,
+                                                     ttft_ms=180, ttfmt_ms=214, ttlt_ms=3870),
+                      epoch=1, ms=0, worker="worker-7f3c", lane="interactive")
     return req, final
 
 

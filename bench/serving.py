@@ -101,7 +101,7 @@ class EngineTarget:
             device=kind, dtype=self.model.dtype))
 
     def run(self, texts: list[str], concurrency: int, output: int) -> list[tuple]:
-        from shared.streams import SamplingParams
+        from shared.sampling import SamplingParams
         from worker.engine import EngineRequest, build_prompt_ids
         queue = list(enumerate(texts))
         live: dict[str, list] = {}
@@ -254,7 +254,7 @@ def main() -> None:
 
     from shared.config import Settings
     from transformers import AutoTokenizer
-    from worker.model_files import SMOLLM2_GGUF, smollm2_dir
+    from worker.engine.model_files import SMOLLM2_GGUF, smollm2_dir
     work = Path(tempfile.mkdtemp(prefix="serving-"))
     tok_dir = work / "tokenizer"
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)

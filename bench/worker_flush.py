@@ -45,7 +45,8 @@ import redis.asyncio as aioredis  # noqa: E402
 
 from bench.common import percentile, table, write_json  # noqa: E402
 from shared.localredis import LocalRedis  # noqa: E402
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event_list  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from shared.streams import ENTRY_FIELD, Keys, RequestEntry, decode_event_list  # noqa: E402
 from tests.stack_fixtures import Proc, _env, wait_for_worker  # noqa: E402
 
 

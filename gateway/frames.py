@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gateway.flusher import Pending
-from shared.errors import RETRYABLE, ErrorCode
+from shared.events import DoneUsage, ErrEvent, error_code
 from shared.protocol import Chunk, Done, TokenLogprob, TopLogprob, Usage
 
 if TYPE_CHECKING:
@@ -34,31 +34,23 @@ def token_logprob(entry) -> TokenLogprob:
 def done_frame(req: RequestState, now: float) -> Done:
     """The request's one `done`, from its final event (`done` or `err`) and the gateway's timings."""
     ev = req.final
-    usage_in = ev.get("usage") or {}
+    usage_in = (None if isinstance(ev, ErrEvent) else ev.usage) or DoneUsage()
     if req.first_sent is not None and not req.resumed:      # as this gateway saw it: accepted -> first chunk
         ttft_ms = round((req.first_sent - req.started) * 1000, 3)
     else:       # a resume: the worker's figure (submit -> first token), whoever streamed it
-        ttft_ms = usage_in.get("ttft_ms")
-        ttft_ms = float(ttft_ms) if isinstance(ttft_ms, (int, float)) else None
+        ttft_ms = float(usage_in.ttft_ms) if usage_in.ttft_ms is not None else None
     usage = Usage(
-        prompt_tokens=int(usage_in.get("prompt_tokens") or 0),
-        completion_tokens=int(usage_in.get("completion_tokens") or 0),
-        cached_tokens=int(usage_in.get("cached_tokens") or 0),
+        prompt_tokens=usage_in.prompt_tokens,
+        completion_tokens=usage_in.completion_tokens,
+        cached_tokens=usage_in.cached_tokens,
         total_ms=round((now - req.started) * 1000, 3),
         ttft_ms=ttft_ms,
     )
-    seq = max(req.seq, int(ev.get("seq") or 0))
-    if ev.get("k") == "err":
-        code = error_code(ev.get("code"))
-        error = {"code": code.value, "message": str(ev.get("message") or code.value),
-                 "retryable": bool(ev.get("retryable", code in RETRYABLE))}
+    seq = max(req.seq, ev.seq)
+    if isinstance(ev, ErrEvent):
+        error = {"code": error_code(ev.code).value, "message": ev.message, "retryable": ev.retryable}
+        if ev.param is not None:
+            error["param"] = ev.param
         return Done(id=req.client_id, seq=seq, finish_reason="error", usage=usage, error=error)
-    reason = ev.get("finish_reason")
+    reason = ev.finish_reason
     return Done(id=req.client_id, seq=seq, finish_reason=reason if reason in FINISH_REASONS else "stop", usage=usage)
-
-
-def error_code(value) -> ErrorCode:
-    try:
-        return ErrorCode(value)
-    except ValueError:
-        return ErrorCode.INTERNAL

@@ -40,7 +40,7 @@ from gateway.requests import RequestTable
 from gateway.resume import Resumer
 from gateway.router import Router
 from gateway.sender import Sender, WakeEvent
-from gateway.sessions import Sessions
+from gateway.sessions import DRAIN_TIMEOUT_S, Sessions
 from gateway.settings import GatewaySettings
 from gateway.submit import Submitter
 from gateway.ws.connection import Connection
@@ -150,7 +150,7 @@ class Hub:
     def draining(self) -> bool:
         return self.sessions.draining
 
-    async def drain(self, timeout: float = 5.0) -> None:
+    async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         await self.sessions.drain(timeout)
 
     async def _read_backlog_metrics(self) -> None:

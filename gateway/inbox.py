@@ -26,12 +26,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.aio import cancel_and_wait
-from shared.streams import ENTRY_FIELD, as_str, decode_event_list
+from shared.events import Event, decode_events
+from shared.streams import ENTRY_FIELD, as_str
 from shared.logs import rid_of
 
 log = logging.getLogger("gateway.inbox")
 
-EventCallback = Callable[[dict], None]
+EventCallback = Callable[[Event], None]
 
 
 class Subscriber:
@@ -117,14 +118,12 @@ class Inbox:
     def _deliver(self, raw: bytes | None) -> None:
         self.batches += 1
         try:
-            events = decode_event_list(raw) if raw else []
+            events = decode_events(raw) if raw else []
         except Exception:
             log.error("undecodable inbox entry on %s", self.key)
             return
         for ev in events:
-            if not isinstance(ev, dict):
-                continue
-            sub = self._subs.get(ev.get("rid"))
+            sub = self._subs.get(ev.rid)
             if sub is None or sub.closed:
                 if self.on_unclaimed is not None:
                     try:

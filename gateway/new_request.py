@@ -33,7 +33,8 @@ from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
 from shared.logs import rid_of
 from shared.protocol import MIN_ANONYMOUS_IDEMPOTENCY_CHARS, Generate
-from shared.streams import RequestEntry, SamplingParams
+from shared.sampling import SamplingParams
+from shared.streams import RequestEntry
 from shared.structured import grammar_for
 
 

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 from gateway.inbox import Inbox
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
-from gateway.sessions import Sessions
+from gateway.sessions import DRAIN_TIMEOUT_S, Sessions
 from gateway.submit import Submitter
 from gateway.ws.socket_caps import SocketCaps
 
@@ -77,7 +77,7 @@ class GatewayProbe:
 
     # ---- operations -------------------------------------------------------------------------
 
-    async def drain(self, timeout: float = 5.0) -> None:
+    async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         """What SIGTERM starts: every session told to reconnect elsewhere, new work refused."""
         await self._drain(timeout)
 

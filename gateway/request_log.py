@@ -37,6 +37,7 @@ from collections import OrderedDict
 
 from gateway.metrics import TIMED_CANCEL_ORIGINS, GatewayMetrics
 from gateway.request_state import RequestState
+from shared.events import DoneEvent, ErrEvent, Event, FinalEvent
 
 log = logging.getLogger("gateway.request_log")
 
@@ -45,14 +46,13 @@ def _ms(start: float, at: float | None) -> float | None:
     return None if at is None else round((at - start) * 1000, 1)
 
 
-def request_record(req: RequestState, final: dict | None, now: float) -> dict:
+def request_record(req: RequestState, final: FinalEvent | None, now: float) -> dict:
     """The per-request line's fields (see the module doc)."""
-    final = final or {}
-    usage = final.get("usage") or {}
-    if final.get("k") == "err":
-        reason, error = "error", final.get("code")
+    usage = final.usage if isinstance(final, DoneEvent) else None
+    if isinstance(final, ErrEvent):
+        reason, error = "error", final.code
     else:
-        reason = final.get("finish_reason") or ("cancelled" if req.cancel_origin else "error")
+        reason = (final.finish_reason if final is not None else "") or ("cancelled" if req.cancel_origin else "error")
         error = None
     resumed = req.resumed
     return {
@@ -62,36 +62,36 @@ def request_record(req: RequestState, final: dict | None, now: float) -> dict:
         "key": req.key_id,
         "finish_reason": reason,
         "error": error,
-        "seq": max(req.seq, int(final.get("seq") or 0)),
+        "seq": max(req.seq, final.seq if final is not None else 0),
         "resumed": resumed,
         "ttft_ms": None if resumed else _ms(req.started, req.first_sent),
         "ttfmt_ms": None if resumed else _ms(req.started, req.meaningful_at),
         "ttlt_ms": None if resumed else _ms(req.started, req.last_sent),
         "total_ms": _ms(req.started, now),
-        "w_ttft_ms": usage.get("ttft_ms"),
-        "w_ttfmt_ms": usage.get("ttfmt_ms"),
-        "w_ttlt_ms": usage.get("ttlt_ms"),
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "cached_tokens": usage.get("cached_tokens", 0 if usage else None),
-        "completion_tokens": usage.get("completion_tokens"),
-        "worker": final.get("wk"),
-        "lane": final.get("lane"),
+        "w_ttft_ms": usage.ttft_ms if usage else None,
+        "w_ttfmt_ms": usage.ttfmt_ms if usage else None,
+        "w_ttlt_ms": usage.ttlt_ms if usage else None,
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "cached_tokens": usage.cached_tokens if usage else None,
+        "completion_tokens": usage.completion_tokens if usage else None,
+        "worker": (final.worker or None) if final is not None else None,
+        "lane": (final.lane or None) if final is not None else None,
         "cancel": req.cancel_origin,
         "cancel_ms": req.cancel_ms,
     }
 
 
-def log_finished(req: RequestState, final: dict | None, now: float | None = None) -> None:
+def log_finished(req: RequestState, final: FinalEvent | None, now: float | None = None) -> None:
     """The request's one INFO line (nothing is built when INFO is off)."""
     if log.isEnabledFor(logging.INFO):
         log.info(request_record(req, final, time.monotonic() if now is None else now))
 
 
-def cancel_confirmed(req: RequestState, final: dict | None, metrics: GatewayMetrics, now: float) -> None:
+def cancel_confirmed(req: RequestState, final: FinalEvent | None, metrics: GatewayMetrics, now: float) -> None:
     """`final` reached this gateway for a request its client cancelled: a worker's `cancelled`
     final means the engine freed the slot; observe how long after the client's cancel."""
-    if (req.cancel_at is None or req.cancel_ms is not None or not final or final.get("local")
-            or final.get("k") != "done" or final.get("finish_reason") != "cancelled"
+    if (req.cancel_at is None or req.cancel_ms is not None or not isinstance(final, DoneEvent) or final.local
+            or final.finish_reason != "cancelled"
             or req.cancel_origin not in TIMED_CANCEL_ORIGINS):
         return
     seconds = max(0.0, now - req.cancel_at)
@@ -118,11 +118,11 @@ class CancelWatch:
     def watch(self, req: RequestState) -> None:
         self._by_rid[req.rid] = (req, time.monotonic() + self.expire_s)
 
-    def on_unclaimed(self, ev: dict) -> None:
+    def on_unclaimed(self, ev: Event) -> None:
         """An event for a request no session of this gateway is subscribed to."""
-        if ev.get("k") not in ("done", "err"):
+        if not ev.is_final:
             return
-        found = self._by_rid.pop(ev.get("rid"), None)
+        found = self._by_rid.pop(ev.rid, None)
         if found is None:
             return
         now = time.monotonic()

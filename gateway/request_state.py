@@ -31,6 +31,7 @@ import time
 from gateway.flusher import ChunkBuffer
 from gateway.inbox import Subscriber
 from gateway.stream_join import StreamJoin
+from shared.events import FinalEvent
 
 
 class Phase(enum.Enum):
@@ -67,7 +68,7 @@ class RequestState:
         self.buffer = buffer
         self.sub: Subscriber | None = None
         # resume: the client has tokens up to skip_seq; live events wait for the attach marker
-        self.join = StreamJoin(skip_seq, attaching=resumed)
+        self.join = StreamJoin(skip_seq, attaching=resumed, rid=rid)
         self.seq = skip_seq          # last token seq sent to the client
         self.phase = Phase.OPENING
         self.started = time.monotonic()
@@ -128,6 +129,6 @@ class RequestState:
             self.cancel_at = time.monotonic()
 
     @property
-    def final(self) -> dict | None:
+    def final(self) -> FinalEvent | None:
         """The request's final event (from a worker, from the join on a gap, or made here)."""
         return self.join.final

@@ -38,6 +38,7 @@ from gateway.request_log import CancelWatch, cancel_confirmed, log_finished
 from gateway.request_state import Phase, RequestState
 from gateway.settings import GatewaySettings
 from shared.errors import ErrorCode
+from shared.events import AttachMarker, DoneEvent, ErrEvent, Event, HistoryEvent, TokEvent
 from shared.protocol import Done
 from shared.logs import rid_of
 
@@ -45,7 +46,7 @@ log = logging.getLogger("gateway.connection")
 
 HISTORY_READ_ATTEMPTS = 60     # ~1 min of retries before the history counts as unreadable
 
-HistoryReader = Callable[[str, int], Awaitable[list[dict]]]
+HistoryReader = Callable[[str, int], Awaitable[list[HistoryEvent]]]
 
 
 class RequestTable:
@@ -151,16 +152,15 @@ class RequestTable:
     def end_cancelled(self, req: RequestState) -> None:
         """End a cancelled request here (no worker will, or none confirmed in time)."""
         req.cancel_timer = None
-        if not req.finished and req.join.end_here(
-                {"k": "done", "seq": req.join.delivered, "finish_reason": "cancelled", "usage": {}, "local": True}):
+        if not req.finished and req.join.end_here(DoneEvent.here(req.rid, req.join.delivered, "cancelled")):
             self._wake.set()
 
     def _taken_over(self, req: RequestState) -> None:
         """Another session of this gateway resumed the request (or sent its idempotency key
         again): it streams there now; end it here, typed, rather than leave it silent."""
-        if not req.finished and req.join.end_here(
-                {"k": "err", "seq": req.join.delivered, "code": ErrorCode.RESUMED_ELSEWHERE.value, "retryable": False,
-                 "message": "another connection resumed this request; it streams there now", "local": True}):
+        if not req.finished and req.join.end_here(ErrEvent.here(
+                req.rid, req.join.delivered, ErrorCode.RESUMED_ELSEWHERE,
+                "another connection resumed this request; it streams there now")):
             self._wake.set()
 
     def end_stalled(self, now: float, stall_s: float) -> list[RequestState]:
@@ -170,9 +170,9 @@ class RequestTable:
         for req in self._by_id.values():
             if (req.final is None and req.streaming and not req.moved
                     and now - req.progress_at > stall_s):
-                req.join.end_here({"k": "err", "seq": req.join.delivered, "code": ErrorCode.STALLED.value,
-                                   "retryable": True, "local": True,
-                                   "message": f"no output for {stall_s:g}s: the worker went silent; retry the request"})
+                req.join.end_here(ErrEvent.here(
+                    req.rid, req.join.delivered, ErrorCode.STALLED,
+                    f"no output for {stall_s:g}s: the worker went silent; retry the request"))
                 stalled.append(req)
         if stalled:
             self._wake.set()
@@ -180,15 +180,15 @@ class RequestTable:
 
     # ------------------------------------------------------------------ output events
 
-    def on_event(self, req: RequestState, ev: dict) -> None:
+    def on_event(self, req: RequestState, ev: Event) -> None:
         """A live event from the inbox (never awaits)."""
         if req.finished:
             return
         req.progress_at = time.monotonic()
-        if ev.get("k") == "att":
-            if int(ev.get("att") or 0) >= req.att:
+        if isinstance(ev, AttachMarker):
+            if ev.att >= req.att:
                 req.join.marker()         # everything before this marker is in the history
-        else:
+        elif isinstance(ev, (TokEvent, DoneEvent, ErrEvent)):
             self._deliver(req, req.join.live(ev))
         self._read_if_wanted(req)
 
@@ -197,7 +197,7 @@ class RequestTable:
         req.join.wants_read = True
         self._read_if_wanted(req)
 
-    def _deliver(self, req: RequestState, events: list[dict]) -> None:
+    def _deliver(self, req: RequestState, events: list[HistoryEvent]) -> None:
         join = req.join
         if join.stale != req.stale_seen:
             self.metrics.stale_events.inc(join.stale - req.stale_seen)
@@ -209,10 +209,10 @@ class RequestTable:
         now = time.monotonic()
         was_empty = req.buffer.empty
         for ev in events:
-            if ev.get("k") == "tok":
-                if ev.get("pt"):
-                    req.prompt_tokens = int(ev["pt"])
-                req.buffer.add(ev.get("text") or "", int(ev.get("n") or 0), int(ev["seq"]), now, ev.get("lp"))
+            if isinstance(ev, TokEvent):
+                if ev.prompt_tokens:
+                    req.prompt_tokens = ev.prompt_tokens
+                req.buffer.add(ev.text, len(ev.ids), ev.seq, now, ev.logprobs)
         if req.cancel_at is not None and req.final is not None:
             cancel_confirmed(req, req.final, self.metrics, now)
         if was_empty or req.final is not None or req.buffer.due(now):
@@ -224,7 +224,7 @@ class RequestTable:
             asyncio.get_running_loop().create_task(self._read(req, join.start_read()))
 
     async def _read(self, req: RequestState, after: int) -> None:
-        events: list[dict] | None = None
+        events: list[HistoryEvent] | None = None
         for attempt in range(HISTORY_READ_ATTEMPTS):
             try:
                 events = await self.read_history(req.rid, after)

@@ -19,6 +19,8 @@ from gateway.writer import CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, Writer
 from shared.errors import ErrorCode
 from shared.protocol import Error
 
+DRAIN_TIMEOUT_S = 5.0     # how long a drain waits for its sessions (the Helm chart's grace period counts it)
+
 
 class Sessions:
     """Every open session of this replica, and the busy ones (their sender task runs: something
@@ -47,7 +49,7 @@ class Sessions:
         else:
             self.busy.discard(session)
 
-    async def drain(self, timeout: float = 5.0) -> None:
+    async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         """Tell every session to reconnect elsewhere (SHUTTING_DOWN, close 1012) and wait for them.
 
         Their unfinished requests are parked as orphans with the resume grace, so the client can

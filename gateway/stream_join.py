@@ -33,23 +33,24 @@ The rules (docs/transport.md):
 from __future__ import annotations
 
 from shared.errors import ErrorCode
-from shared.streams import FINAL_KINDS
+from shared.events import HISTORY_TYPES, ErrEvent, FinalEvent, HistoryEvent, TokEvent
 
 
 class StreamJoin:
-    __slots__ = ("delivered", "epoch", "final", "gap", "attaching", "reading", "wants_read", "stale",
+    __slots__ = ("rid", "delivered", "epoch", "final", "gap", "attaching", "reading", "wants_read", "stale",
                  "_held", "_reads_started", "_reads_done")
 
-    def __init__(self, delivered: int = 0, *, attaching: bool = False):
+    def __init__(self, delivered: int = 0, *, attaching: bool = False, rid: str = ""):
+        self.rid = rid                 # the request's id (named in the final a gap makes)
         self.delivered = delivered     # last token seq handed out (a resume: what the client has)
         self.epoch = 0                 # highest writer epoch seen
-        self.final: dict | None = None
+        self.final: FinalEvent | None = None
         self.gap: str | None = None    # why the stream cannot go on exactly (then it has ended)
         self.attaching = attaching
         self.reading = False           # a history read is in flight
         self.wants_read = False        # the caller should start a history read
         self.stale = 0                 # events dropped as a stale writer's
-        self._held: list[tuple[int, dict]] = []   # (reads started when it was held, event)
+        self._held: list[tuple[int, HistoryEvent]] = []   # (reads started when it was held, event)
         self._reads_started = self._reads_done = 0
 
     @property
@@ -58,14 +59,14 @@ class StreamJoin:
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def live(self, ev: dict) -> list[dict]:
+    def live(self, ev: HistoryEvent) -> list[HistoryEvent]:
         """A live event from the inbox; returns what to deliver now."""
         if self.ended or self._stale(ev):
             return []
         if self.attaching or self.reading:
             self._hold(ev)
             return []
-        out: list[dict] = []
+        out: list[HistoryEvent] = []
         self._offer(ev, out, self._reads_started)
         return out
 
@@ -82,12 +83,12 @@ class StreamJoin:
         self._reads_started += 1
         return self.delivered
 
-    def history(self, events: list[dict] | None) -> list[dict]:
+    def history(self, events: list[HistoryEvent] | None) -> list[HistoryEvent]:
         """The result of the read in flight: every history event after `start_read()`'s seq, in
         order, or None when the history could not be read. Returns what to deliver now."""
         self.reading = False
         self._reads_done += 1
-        out: list[dict] = []
+        out: list[HistoryEvent] = []
         if self.ended:
             return out
         if events is None:
@@ -96,7 +97,7 @@ class StreamJoin:
         for ev in events:
             if self.ended:
                 break
-            if ev.get("k") in FINAL_KINDS or ev.get("k") == "tok":
+            if isinstance(ev, HISTORY_TYPES):
                 self._note_epoch(ev)
                 self._take(ev, out, from_history=True)
         if not self.attaching:
@@ -107,7 +108,7 @@ class StreamJoin:
                 self._offer(ev, out, stamp)
         return out
 
-    def end_here(self, final: dict) -> bool:
+    def end_here(self, final: FinalEvent) -> bool:
         """The gateway ends the request itself (cancel fallback, stall); False if it had ended."""
         if self.ended:
             return False
@@ -116,42 +117,41 @@ class StreamJoin:
 
     # ---- the rules --------------------------------------------------------------------------
 
-    def _stale(self, ev: dict) -> bool:
-        ep = int(ev.get("ep") or 0)
+    def _stale(self, ev: HistoryEvent) -> bool:
+        ep = ev.epoch
         if ep < self.epoch:
             self.stale += 1
             return True
         self.epoch = ep
         return False
 
-    def _note_epoch(self, ev: dict) -> None:
-        self.epoch = max(self.epoch, int(ev.get("ep") or 0))
+    def _note_epoch(self, ev: HistoryEvent) -> None:
+        self.epoch = max(self.epoch, ev.epoch)
 
-    def _hold(self, ev: dict, stamp: int | None = None) -> None:
+    def _hold(self, ev: HistoryEvent, stamp: int | None = None) -> None:
         self._held.append((self._reads_started if stamp is None else stamp, ev))
 
-    def _offer(self, ev: dict, out: list[dict], stamp: int) -> None:
+    def _offer(self, ev: HistoryEvent, out: list[HistoryEvent], stamp: int) -> None:
         """A live (or held) event: deliver it, drop it, or hold it for a history read."""
         if self._reaches(ev):
             self._take(ev, out, from_history=False)
         elif stamp < self._reads_done:
             # a read that started after this event arrived (reads run one at a time) has
             # completed without bringing what comes before it
-            kind = "final" if ev.get("k") in FINAL_KINDS else f"tokens {_first(ev)}-{ev.get('seq')}"
+            kind = "final" if ev.is_final else f"tokens {_first(ev)}-{ev.seq}"
             self._lose(f"tokens {self.delivered + 1}-{_first(ev) - 1} are missing from the request's history "
                        f"(before the {kind})", out)
         else:
             self._hold(ev, stamp)
             self.wants_read = True
 
-    def _reaches(self, ev: dict) -> bool:
+    def _reaches(self, ev: HistoryEvent) -> bool:
         """Nothing lies between what was delivered and this event."""
         return _first(ev) <= self.delivered + 1
 
-    def _take(self, ev: dict, out: list[dict], *, from_history: bool) -> None:
-        kind = ev.get("k")
-        seq = int(ev.get("seq") or 0)
-        if kind == "tok":
+    def _take(self, ev: HistoryEvent, out: list[HistoryEvent], *, from_history: bool) -> None:
+        seq = ev.seq
+        if isinstance(ev, TokEvent):
             if seq <= self.delivered:
                 return                                      # a duplicate
             first = _first(ev)
@@ -165,7 +165,7 @@ class StreamJoin:
             else:
                 self.delivered = seq
                 out.append(ev)
-        elif kind in FINAL_KINDS:
+        elif ev.is_final:
             if seq > self.delivered:
                 if from_history:
                     self._lose(f"tokens {self.delivered + 1}-{seq} are missing from the request's history "
@@ -175,18 +175,16 @@ class StreamJoin:
             out.append(ev)
 
 
-    def _lose(self, why: str, out: list[dict]) -> None:
+    def _lose(self, why: str, out: list[HistoryEvent]) -> None:
         """The stream cannot go on exactly: end it with a retryable error after what was delivered."""
         self.gap = why
-        self.final = {"k": "err", "seq": self.delivered, "code": ErrorCode.OUTPUT_LOST.value, "retryable": True,
-                      "message": f"part of the output can no longer be delivered ({why}); send the request again",
-                      "local": True}
+        self.final = ErrEvent.here(self.rid, self.delivered, ErrorCode.OUTPUT_LOST,
+                                   f"part of the output can no longer be delivered ({why}); send the request again")
         out.append(self.final)
 
 
-def _first(ev: dict) -> int:
+def _first(ev: HistoryEvent) -> int:
     """The first token seq an event covers (a final covers none: the one after its seq)."""
-    seq = int(ev.get("seq") or 0)
-    if ev.get("k") == "tok":
-        return seq - int(ev.get("n") or 0) + 1
-    return seq + 1
+    if isinstance(ev, TokEvent):
+        return ev.seq - len(ev.ids) + 1
+    return ev.seq + 1

@@ -27,8 +27,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import ErrorCode, ProtocolError
+from shared.events import HISTORY_TYPES, HistoryEvent, decode_event
 from shared.streams import (ENTRY_FIELD, META_ATT, META_BG, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str,
-                            decode_event, encode_attach, encode_cancel)
+                            encode_attach, encode_cancel)
 
 log = logging.getLogger("gateway.submit")
 
@@ -258,11 +259,12 @@ class Submitter:
         owner = await self.redis.hget(self.keys.meta(rid), META_OWNER)
         return as_str(owner) if owner is not None else None
 
-    async def read_history(self, rid: str, after_seq: int) -> list[dict]:
+    async def read_history(self, rid: str, after_seq: int) -> list[HistoryEvent]:
         """Every event of rid's history after token `after_seq` (token events and the final)."""
         # token events are `{seq}-0`, the final `{seq}-1`: from `{after}-1` on is exactly "after"
         entries = await self.redis.xrange(self.keys.out(rid), min=f"{after_seq}-1", max="+")
-        return [decode_event(fields[ENTRY_FIELD]) for _, fields in entries]
+        events = (decode_event(fields[ENTRY_FIELD]) for _, fields in entries)
+        return [ev for ev in events if isinstance(ev, HISTORY_TYPES)]
 
     # ------------------------------------------------------------------ orphans
 

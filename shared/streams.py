@@ -23,22 +23,23 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 
 Request entries carry one field `d` (msgpack of `RequestEntry`, which names its gateway `gw`).
 History entries carry `d` = msgpack of ONE event; inbox entries `d` = a msgpack LIST of events
-(one XADD per gateway per worker flush, many requests in it). Events are v2 maps (below); see
+(one XADD per gateway per worker flush, many requests in it). Events are v2 maps (shared.events); see
 docs/transport.md for the whole data path, resume and the reasons.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import msgpack
 
+from shared.events import EVENT_VERSION
 from shared.protocol import MAX_TOP_LOGPROBS, PROTOCOL_VERSION
+from shared.sampling import SamplingParams
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
-EVENT_VERSION = 2
 
 # fields of p:{r:rid}:meta
 META_KEY = "key"        # API key id of the request's owner (resume must present the same key)
@@ -115,29 +116,6 @@ class Keys:
 
 
 @dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    # structured output: a grammar the tokens must follow (worker.engine.grammar: {"type":
-    # "json_object"} or {"type": "json_schema", "schema": {...}}); None: free text
-    grammar: dict | None = None
-    # per output token its logprob and this many most likely alternatives (0-20); None: none
-    logprobs: int | None = None
-    # EOS ids are never sampled: the answer runs to max_tokens (vLLM's extension; benchmarks
-    # such as guidellm force output lengths with it)
-    ignore_eos: bool = False
-
-    @property
-    def deterministic(self) -> bool:
-        """Greedy or seeded: a replay on another worker yields the same tokens."""
-        return self.temperature == 0.0 or self.seed is not None
-
-
-@dataclass
 class RequestEntry:
     """One generate request as a worker receives it."""
     rid: str
@@ -211,79 +189,13 @@ _ENTRY_FIELDS = {f for f in RequestEntry.__dataclass_fields__ if f != "params"}
 
 
 # ---- events (v2) ---------------------------------------------------------------------------
-# Token event:  {"v":2,"k":"tok","rid","seq":S,"n":N,"ids":[N ids],"text","ep","ms"}: tokens S-N+1..S
-#               (`seq` = tokens delivered so far; `text` may be "" while ids advance).
-#               A request that asks for logprobs adds "lp": [N entries], one per id:
-#               [token, logprob, [[token, logprob], ...top], text_offset] (worker.engine.logprobs).
-# Final events: {"v":2,"k":"done","rid","seq","finish_reason","usage","ep","ms"[,"wk","lane"]}
-#               (usage: prompt_tokens, completion_tokens, cached_tokens when the prefix cache
-#               served some, ttft_ms / ttfmt_ms / ttlt_ms (submit -> first token, first
-#               non-whitespace token, the final) when known; `wk` the worker that wrote it and
-#               `lane` the request's priority, for the gateway's per-request log line)
-#               {"v":2,"k":"err","rid","seq","code","message","retryable","ep","ms"[,"wk","lane"]};
-#               no tokens.
-# Attach marker (inbox only): {"v":2,"k":"att","rid","seq":S|None,"ep","att"}: rid's live events
-#               come to this inbox from now on; everything <= S is in the history (None: this
-#               worker does not hold rid, read the history to its end).
-# Tokenize reply (inbox only): {"v":2,"k":"tokr","rid":<reply id>, ...}: the answer to a
-#               `tokenize` / `detokenize` control entry (worker.tokenization.answer's fields).
-OutKind = Literal["tok", "done", "err", "att", "tokr"]
-FINAL_KINDS = ("done", "err")
-
-
-def _pack(obj: dict) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def encode_tok(rid: str, seq: int, ids: list[int], text: str, ep: int, ms: int, lp: list | None = None,
-               pt: int = 0) -> bytes:
-    """`pt`: the prompt's size in tokens (what a stream's running usage reports before `done`)."""
-    event = {"v": EVENT_VERSION, "k": "tok", "rid": rid, "seq": seq, "n": len(ids), "ids": ids,
-             "text": text, "ep": ep, "ms": ms}
-    if pt:
-        event["pt"] = pt
-    if lp is not None:
-        event["lp"] = lp
-    return _pack(event)
-
-
-def encode_done(rid: str, seq: int, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                ep: int, ms: int, *, ttft_ms: int | None = None, cached_tokens: int = 0,
-                ttfmt_ms: int | None = None, ttlt_ms: int | None = None, worker: str = "", lane: str = "") -> bytes:
-    """`ttft_ms`: submit (the entry's created_ms) -> first token produced, by the worker's clock:
-    what a client that resumes a finished request is told its time to first token was.
-    `ttfmt_ms` (first non-whitespace token), `ttlt_ms` (the final), `worker` and `lane` are
-    for the gateway's per-request log line."""
-    usage: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-    if cached_tokens:
-        usage["cached_tokens"] = cached_tokens
-    for name, value in (("ttft_ms", ttft_ms), ("ttfmt_ms", ttfmt_ms), ("ttlt_ms", ttlt_ms)):
-        if value is not None:
-            usage[name] = max(0, value)
-    return _pack(_who({"v": EVENT_VERSION, "k": "done", "rid": rid, "seq": seq, "finish_reason": finish_reason,
-                       "usage": usage, "ep": ep, "ms": ms}, worker, lane))
-
-
-def encode_err(rid: str, seq: int, code: str, message: str, retryable: bool, ep: int, ms: int, *,
-               worker: str = "", lane: str = "") -> bytes:
-    return _pack(_who({"v": EVENT_VERSION, "k": "err", "rid": rid, "seq": seq, "code": code, "message": message,
-                       "retryable": retryable, "ep": ep, "ms": ms}, worker, lane))
-
-
-def _who(event: dict, worker: str, lane: str) -> dict:
-    if worker:
-        event["wk"] = worker
-    if lane:
-        event["lane"] = lane
-    return event
-
-
-def encode_attach_marker(rid: str, seq: int | None, ep: int, att: int) -> bytes:
-    return _pack({"v": EVENT_VERSION, "k": "att", "rid": rid, "seq": seq, "ep": ep, "att": att})
-
+# The worker -> gateway events (tok, done, err, the att marker, tokr) and their codec are
+# shared.events (one class each); what is here is how they sit on Redis: history entries hold
+# one event, inbox entries a list of them (`pack_event_list`), ids from `history_id`.
 
 def decode_event(raw: bytes) -> dict[str, Any]:
-    """One event (a history entry's `d`)."""
+    """One event (a history entry's `d`) as its wire map, for tests and tools that look at the
+    wire itself; the services read events typed (shared.events.decode_event)."""
     return msgpack.unpackb(raw, raw=False)
 
 
@@ -301,7 +213,7 @@ def pack_event_list(payloads: list[bytes]) -> bytes:
 
 
 def decode_event_list(raw: bytes) -> list[dict[str, Any]]:
-    """The events of one inbox entry."""
+    """The events of one inbox entry as wire maps (tests and tools; typed: shared.events.decode_events)."""
     events = msgpack.unpackb(raw, raw=False)
     return events if isinstance(events, list) else [events]
 
@@ -313,6 +225,10 @@ def history_id(seq: int, final: bool) -> str:
 
 
 # ---- control entries (p:{w:id}:ctl, field `d`) ----
+def _pack(obj: dict) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
 def encode_cancel(rid: str) -> bytes:
     return _pack({"v": EVENT_VERSION, "k": "cancel", "rid": rid})
 
@@ -336,10 +252,6 @@ def encode_tokenize(kind: Literal["tokenize", "detokenize"], reply_id: str, gw: 
     are a prompt or messages (+ tools and options), or `tokens`; the answer goes to gateway
     `gw`'s inbox as a `tokr` event for `reply_id`."""
     return _pack({"v": EVENT_VERSION, "k": kind, "rid": reply_id, "gw": gw, **fields})
-
-
-def encode_tokenize_reply(reply_id: str, answer: dict) -> bytes:
-    return _pack({"v": EVENT_VERSION, "k": "tokr", "rid": reply_id, **answer})
 
 
 def as_str(value: Any) -> str:

@@ -11,7 +11,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRequest
 
 VOCAB = 512

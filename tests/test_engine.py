@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shared.errors import ErrorCode
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
 from worker.engine.detokenize import IncrementalDetokenizer
 

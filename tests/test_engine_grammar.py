@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from transformers import (AutoTokenizer, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from shared.errors import ErrorCode
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
 
 # Strings, arrays and numbers are bounded: a random model must still end each document.
@@ -233,32 +234,31 @@ def test_no_raw_control_characters_in_json_strings(tiny):
     for t in prompt(tok, '{"s": "ab'):
         assert matcher.accept(t)
 
-    class Row:
-        grammar = matcher
     logits = torch.zeros(1, engine._logits_width)
-    engine.grammars.constrained += 1      # what the engine counts for a constrained request it holds
-    engine.grammars.apply_masks(logits, [Row()])
+    engine.grammars.apply_masks(logits, np.array([0]), [matcher])
     control = [i for i in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([i]))]
     assert control and bool((logits[0, control] == float("-inf")).all())
     assert (logits[0] == 0).sum() > 10000      # the rest of a string's vocabulary stays allowed
 
 
 def test_the_constrained_count_returns_to_zero(tiny):
-    """The engine counts the constrained requests it holds (a step without any skips the masks):
-    the count follows requests in and out, finished, cancelled or refused."""
+    """The runner's batch counts its constrained rows (a step without any skips the masks): the
+    count follows requests in and out, finished, cancelled or refused."""
     model, tok = tiny
     engine = make_engine(model, tok)
+    constrained = lambda: engine.runner.batch.num_constrained   # noqa: E731
     run(engine, [EngineRequest("done", prompt(tok, "x"), SamplingParams(max_tokens=200, temperature=0.0,
                                                                          grammar=spec(ENUMS)))])
-    assert engine.grammars.constrained == 0
+    assert constrained() == 0
     engine.add(EngineRequest("a", prompt(tok, "x"), SamplingParams(max_tokens=200, grammar=spec(PERSON))))
     engine.add(EngineRequest("free", prompt(tok, "y"), SamplingParams(max_tokens=4)))
-    assert engine.grammars.constrained == 1
-    engine.step()
+    engine.step()                           # both admitted: each takes a row
+    assert constrained() == 1 and engine.num_running == 2
     engine.cancel("a")
+    assert constrained() == 0               # its row is given back at once
     while engine.has_work:
         engine.step()
-    assert engine.grammars.constrained == 0
+    assert constrained() == 0
     with pytest.raises(EngineRejected):     # a schema that cannot compile: refused before it is counted
         engine.add(EngineRequest("b", prompt(tok, "x"), SamplingParams(max_tokens=8, grammar={"type": "regex"})))
-    assert engine.grammars.constrained == 0
+    assert constrained() == 0

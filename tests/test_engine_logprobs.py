@@ -3,16 +3,19 @@ tokenizer: each token's logprob and its top-k equal a log-softmax of the model's
 computed independently (transformers' own forward over the whole context), whatever the
 request was sampled with; the greedy token is the top one; top-k is sorted; rows that do not ask
 get none and sample exactly as without logprobs in the batch; a continuation (failover) gets the
-same entries, text offsets included; the count of asking requests returns to zero."""
+same entries, text offsets included; the count of asking rows returns to zero."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
+from worker.engine.input_batch import InputBatch
 from worker.engine.logprobs import LogprobGather
+from worker.engine.sequence import Sequence
 
 PROMPTS = ["Hello there, how are you doing today?", "The quick brown fox jumps over the lazy dog.", "Hi",
            "Once upon a time, in a land far away"]
@@ -70,7 +73,7 @@ def test_greedy_logprobs_equal_a_reference_log_softmax_and_the_token_is_top_1(mo
     check_against_reference(model, tokenizer, prompt, outs, 5)
     for text, logprob, top, _ in entries(outs):
         assert top[0][0] == text and top[0][1] == logprob      # greedy: the sampled token is the top one
-    assert engine.runner.logprobs.asking == 0
+    assert engine.runner.batch.num_logprobs == 0
 
 
 def test_sampled_rows_get_the_raw_models_logprobs_not_the_tempered_ones(model, tokenizer):
@@ -104,7 +107,7 @@ def test_a_mixed_batch_only_the_asking_rows_get_logprobs_and_sampling_is_unchang
             assert all(o.logprobs is None for o in mixed[rid])
         else:
             check_against_reference(model, tokenizer, prompts[i], mixed[rid], k)
-    assert engine.runner.logprobs.asking == 0
+    assert engine.runner.batch.num_logprobs == 0
 
 
 def test_a_continuation_gets_the_same_entries_and_offsets(model, tokenizer):
@@ -123,33 +126,42 @@ def test_the_asking_count_returns_to_zero_on_cancel_and_refusal(model, tokenizer
     engine = Engine(model, tokenizer, EngineConfig(max_batch=2, max_seq_len=64))
     prompt = tokenizer(PROMPTS[0])["input_ids"]
     engine.add(EngineRequest("a", prompt, SamplingParams(max_tokens=8, logprobs=1)))
-    assert engine.runner.logprobs.asking == 1
-    engine.step()
+    engine.step()                     # admitted: its row asks
+    assert engine.runner.batch.num_logprobs == 1
     engine.cancel("a")
     engine.step()
-    assert engine.runner.logprobs.asking == 0
+    assert engine.runner.batch.num_logprobs == 0
     with pytest.raises(EngineRejected):
         engine.add(EngineRequest("b", prompt, SamplingParams(max_tokens=8, logprobs=21)))
     with pytest.raises(EngineRejected):   # never fits: refused before it is counted
         engine.add(EngineRequest("c", prompt, SamplingParams(max_tokens=500, logprobs=1)))
-    assert engine.runner.logprobs.asking == 0
+    assert engine.runner.batch.num_logprobs == 0
 
 
 def test_gather_does_nothing_while_no_request_asks():
-    gather = LogprobGather()
-    assert gather.prepare(torch.zeros(3, 10), ["rows are not even read"]) is None
+    """The runner skips the gather while its batch holds no row that asks (`num_logprobs`, one
+    integer test), and a step whose sampled rows do not ask gets nothing from it either."""
+    batch = InputBatch(4, torch.device("cpu"))
+
+    def seq(logprobs):
+        req = EngineRequest(f"r{logprobs}", [1, 2], SamplingParams(logprobs=logprobs))
+        return Sequence(req=req, detok=None, generator=None, arrival=0, tokens=[1, 2])
+    plain, asking = seq(None), seq(2)
+    batch.add(plain)
+    assert batch.num_logprobs == 0
+    batch.add(asking)
+    assert batch.num_logprobs == 1 and batch.top_logprobs[[plain.slot, asking.slot]].tolist() == [-1, 2]
+    row = asking.slot
+    batch.remove(asking)
+    assert batch.num_logprobs == 0 and batch.top_logprobs[row] == -1 and asking.slot == -1
+    assert LogprobGather.prepare(torch.zeros(3, 10), np.full(3, -1)) is None
 
 
 def test_gather_brings_tokens_and_each_rows_top_k_in_one_transfer():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
 
-    class Row:
-        def __init__(self, k):
-            self.top_logprobs = k
-
     gather = LogprobGather()
-    gather.asking = 3
-    pending = gather.prepare(logits, [Row(-1), Row(2), Row(-1), Row(0), Row(4)])
+    pending = gather.prepare(logits, np.array([-1, 2, -1, 0, 4]))
     tokens = torch.tensor([7, 3, 9, 11, 40])
     ids, rows = gather.finish(pending, tokens)
     assert ids == tokens.tolist() and rows[0] is None and rows[2] is None
@@ -162,19 +174,21 @@ def test_gather_brings_tokens_and_each_rows_top_k_in_one_transfer():
 
 
 def test_outputs_carry_logprobs_through_the_engine_pipe_and_into_token_events():
-    """engine process -> worker (positional msgpack) -> a token event's `lp`, one entry per id."""
+    """engine process -> worker (keyed msgpack columns) -> a token event's `lp`, one entry per id."""
     import msgpack
 
-    from shared.streams import RequestEntry, decode_event, encode_tok
+    from shared.events import TokEvent
+    from shared.streams import RequestEntry, decode_event
     from worker.engine import StepOutput
-    from worker.engine_process import _pack_output, _unpack_output
+    from worker.engine_wire import pack_outputs, unpack_outputs
     from worker.events import InFlight, Progress
 
     lp = [["Hi", -0.5, [["Hi", -0.5], [" there", -1.25]], 0]]
     outs = [StepOutput("r", "Hi", [5], False, None, 3, 1, logprobs=lp),
             StepOutput("r", "!", [6], True, "stop", 3, 2, logprobs=[["!", -2.0, [], 2]]),
             StepOutput("q", "x", [7], False, None, 3, 1)]
-    back = [_unpack_output(msgpack.unpackb(msgpack.packb(_pack_output(o)), use_list=False)) for o in outs]
+    back = unpack_outputs(msgpack.unpackb(msgpack.packb(pack_outputs(outs))))
+    assert back == outs
     assert [msgpack.unpackb(msgpack.packb(b.logprobs)) if b.logprobs else None for b in back] == \
         [lp, [["!", -2.0, [], 2]], None]
     assert back[1].finished and back[1].finish_reason == "stop" and back[2].logprobs is None
@@ -184,7 +198,7 @@ def test_outputs_carry_logprobs_through_the_engine_pipe_and_into_token_events():
         st.add_output(b)
     tok = decode_event(st.unsent[0].payload)
     assert tok["ids"] == [5, 6] and tok["lp"] == lp + [["!", -2.0, [], 2]]
-    assert "lp" not in decode_event(encode_tok("q", 1, [7], "x", 1, 0))
+    assert "lp" not in decode_event(TokEvent("q", 1, [7], "x", 1, 0).encode())
 
 
 def test_request_entries_carry_logprobs_only_when_asked():

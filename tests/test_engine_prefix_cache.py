@@ -1,6 +1,6 @@
-"""Prefix caching (worker/engine/block_pool.py, the scheduler's use of it): the block pool's
-invariants under random operations, what the scheduler admits and computes when a prefix is
-cached, and the engine's outputs, which must be exactly those without the cache."""
+"""Prefix caching (worker/engine/block_pool.py, kv_cache_manager.py and the scheduler's use of
+it): the block pool's invariants under random operations, what the scheduler admits and computes
+when a prefix is cached, and the engine's outputs, which must be exactly those without the cache."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from tests.engine_families import FAMILIES, assert_prefix_caching_exact
 from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.engine.block_pool import BlockPool, extend_names, prefix_root
-from worker.engine.kv_cache import PagedKVCache
+from worker.engine.kv_cache_manager import KVCacheManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 
@@ -139,9 +139,7 @@ def test_names_chain_every_block_to_its_whole_prefix():
 # ---- the scheduler with a caching pool (no model) ---------------------------------------------
 
 def _scheduler(rows=4, blocks=64, block_size=4, chunk=16):
-    cache = PagedKVCache(layers=1, num_blocks=blocks, block_size=block_size, kv_heads=1, head_dim=2,
-                         dtype=torch.float32, device="cpu", prefix_caching=True)
-    return Scheduler(cache, rows, chunk, 8)
+    return Scheduler(KVCacheManager(BlockPool(blocks, caching=True), block_size), rows, chunk, 8)
 
 
 def _seq(tokens, rid="r"):
@@ -150,15 +148,9 @@ def _seq(tokens, rid="r"):
 
 
 def _advance(sched, plan):
-    """What the engine does after a successful step (computed moves on, blocks are published,
-    sampled requests get a token)."""
-    for s in plan.decode:
-        s.computed += 1
-    for s, n in plan.prefill:
-        s.computed += n
-    sched.cache_computed(plan)
-    for s in plan.sampled:
-        s.tokens.append(0)
+    """What the engine has the scheduler do after a successful step (computed moves on, blocks
+    are published, sampled requests get a token: 0)."""
+    sched.update_from_output(plan, [0] * len(plan.sampled))
 
 
 def _finish(sched, seq) -> list[int]:
@@ -175,13 +167,13 @@ def test_a_cached_prefix_is_taken_and_only_the_rest_prefilled():
     first = _seq(range(1, 21), "first")            # 5 blocks of 4
     sched.add(first)
     held = _finish(sched, first)
-    assert sched.pool.num_cached == 5 and sched.prefix_hits == 0 and sched.prefix_queries == 20
+    assert sched.kv.pool.num_cached == 5 and sched.kv.prefix_hits == 0 and sched.kv.prefix_queries == 20
     second = _seq(list(range(1, 13)) + [99, 98], "second")   # shares 3 blocks
     sched.add(second)
     plan = sched.schedule()
     assert second.blocks[:3] == held[:3] and held[3] not in second.blocks
     assert plan.prefill == [(second, 2)] and second.cached_tokens == 12
-    assert sched.prefix_hits == 12 and sched.prefix_queries == 34
+    assert sched.kv.prefix_hits == 12 and sched.kv.prefix_queries == 34
 
 
 def test_the_block_of_the_last_token_is_computed_in_a_fresh_block():
@@ -199,7 +191,7 @@ def test_the_block_of_the_last_token_is_computed_in_a_fresh_block():
     plan = sched.schedule()
     assert (again, 4) in plan.prefill and again.computed == 12
     assert again.blocks[:3] == first.blocks[:3] and again.blocks[3] != cached_last
-    assert [sched.pool.refs[b] for b in first.blocks[:3]] == [2, 2, 2]
+    assert [sched.kv.pool.refs[b] for b in first.blocks[:3]] == [2, 2, 2]
 
 
 def test_admission_does_not_count_the_hits_idle_blocks_twice():
@@ -209,16 +201,16 @@ def test_admission_does_not_count_the_hits_idle_blocks_twice():
     first = _seq(range(1, 21), "first")            # 5 blocks, cached once it ends
     sched.add(first)
     _finish(sched, first)
-    assert sched.pool.num_free == 6 and sched.pool.num_cached == 5
+    assert sched.kv.pool.num_free == 6 and sched.kv.pool.num_cached == 5
     big = _seq(list(range(1, 21)) + [50] * 8, "big")   # hits 5 idle blocks, needs 2 more: only 1 left
     sched.add(big)
     sched.schedule()
-    assert big in sched.waiting and big.blocks == [] and sched.pool.num_cached == 5
+    assert big in sched.waiting and big.blocks == [] and sched.kv.pool.num_cached == 5
     small = _seq(list(range(1, 21)) + [50] * 3, "small")   # hits 5, needs 1 more: fits
     sched.waiting.clear()
     sched.add(small)
     plan = sched.schedule()
-    assert plan.prefill == [(small, 3)] and sched.pool.num_free == 0
+    assert plan.prefill == [(small, 3)] and sched.kv.pool.num_free == 0
 
 
 def test_a_request_waits_a_step_for_the_block_another_one_fills_now():
@@ -243,15 +235,15 @@ def test_preemption_releases_shared_blocks_and_the_victim_takes_its_own_back():
     _advance(sched, sched.schedule())                  # chat: 3 blocks, published
     sched.add(batch)
     _advance(sched, sched.schedule())                  # batch: hits 2, computes its last block
-    assert batch.cached_tokens == 8 and [sched.pool.refs[b] for b in chat.blocks[:2]] == [2, 2]
+    assert batch.cached_tokens == 8 and [sched.kv.pool.refs[b] for b in chat.blocks[:2]] == [2, 2]
     for _ in range(20):                                # decode until the 8-block pool runs out
         plan = sched.schedule()
         if plan.preempted:
             break
         _advance(sched, plan)
     assert plan.preempted == [batch] and batch.blocks == [] and batch.computed == 0
-    assert all(sched.pool.refs[b] == 1 for b in chat.blocks)
-    sched.pool.check()
+    assert all(sched.kv.pool.refs[b] == 1 for b in chat.blocks)
+    sched.kv.pool.check()
 
 
 # ---- the engine: exact outputs with the cache ------------------------------------------------

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.streams import RequestEntry, SamplingParams
+from shared.sampling import SamplingParams
+from shared.streams import RequestEntry
 from tests.gateway_client import eventually
 from tests.stack_fixtures import pid_alive
 from worker.engine import build_prompt_ids
@@ -228,12 +229,15 @@ def test_finals_and_load_figures_carry_the_prefix_cache_figures_across_the_pipe(
 
     from shared.errors import ErrorCode
     from worker.engine import StepOutput
-    from worker.engine_process import _pack_output, _status, _unpack_output
+    from worker.engine_process import _status
+    from worker.engine_wire import pack_outputs, unpack_outputs
     final = StepOutput("r", "x", [5], True, "length", 40, 3, None, None, 123, cached_tokens=32)
     error = StepOutput("e", "", [], True, "error", 9, 0, ErrorCode.INTERNAL, "boom", 124)
     token = StepOutput("t", "y", [6], False, None, 40, 1, None, None, 125)
     for out in (final, error, token):
-        assert _unpack_output(msgpack.unpackb(msgpack.packb(_pack_output(out)))) == out
+        assert unpack_outputs(msgpack.unpackb(msgpack.packb(pack_outputs([out])))) == [out]
+    both = unpack_outputs(msgpack.unpackb(msgpack.packb(pack_outputs([token, final, error, token]))))
+    assert both == [token, final, error, token] and type(both[2].error_code) is ErrorCode
     thread = EngineThread(synthetic()(), max_prompt_tokens=100, buffer_max=16)
     thread.prefix_cache_queries, thread.prefix_cache_hits = 1000, 640
     proc = EngineProcess(synthetic(), max_prompt_tokens=100, buffer_max=16)

@@ -15,14 +15,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from shared.config import Settings
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate, reference
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
 from worker.engine import cpu_kernels, quantize
 from worker.engine.config import settings_dtype, settings_quantization
 from worker.engine.quantize import (GROUP, Int4Linear, Int8SplitLinear, gguf_is_int4_exact,
                                     native_bf16_cpu, quantize_int4)
-from worker.model_files import SMOLLM2_GGUF, smollm2_dir
+from worker.engine.model_files import SMOLLM2_GGUF, smollm2_dir
 
 # head_dim 32 and 2 KV heads: k/v projections of 64 rows, one block of the kernel's packing
 SHAPE = dict(COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.config import Settings
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
 
 pytestmark = pytest.mark.slow

@@ -15,14 +15,17 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.backlog import live_workers
+from shared.events import TokEvent
 from shared.localredis import LocalRedis
-from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event_list,
-                            encode_cancel, encode_tok, history_id)
+from shared.sampling import SamplingParams
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, decode_event_list,
+                            encode_cancel, history_id)
 from tests.gateway_client import eventually
 from tests.stack_fixtures import (engine_pids, metric, pid_alive, scrape, start_synthetic_worker, start_worker,
                                   start_workers, wait_for_worker)
-from tests.worker_redis import (check_seqs, client_view, history, last_seq, meta_of, new_rid, owner_of, pending_after_acks,
-                                read_events, read_inbox, submit, text_of, wait_for_tokens, worker_info)
+from tests.worker_redis import (beats_after, check_seqs, client_view, history, last_seq, meta_of, new_rid, owner_of,
+                                pending_after_acks, read_events, read_inbox, submit, text_of, wait_for_tokens,
+                                worker_info)
 
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
@@ -351,6 +354,18 @@ async def deliver_to_a_frozen_worker(redis, keys: Keys, proc, consumer: str, ent
     raise AssertionError("never caught the worker blocked in XREADGROUP")
 
 
+async def blocked_in_xreadgroup(redis, pid: int) -> bool:
+    """Whether one of process `pid`'s Redis connections is blocked in XREADGROUP (CLIENT LIST:
+    cmd xreadgroup, flag b; its `addr` port is one of the process's local TCP ports)."""
+    import psutil
+    process = psutil.Process(pid)
+    connections = process.net_connections(kind="tcp") if hasattr(process, "net_connections") else \
+        process.connections(kind="tcp")
+    ports = {c.laddr.port for c in connections if c.laddr}
+    return any(c["cmd"] == "xreadgroup" and "b" in c["flags"] and int(c["addr"].rsplit(":", 1)[1]) in ports
+               for c in await redis.client_list())
+
+
 async def test_a_zombie_that_wakes_leaves_the_request_to_its_new_owner(tmp_path):
     """Issue 26. A worker blocked in XREADGROUP freezes (SIGSTOP: a GC pause, a VM freeze); Redis
     delivers a new request to its blocked read. Its heartbeat lapses, a survivor claims the entry,
@@ -365,12 +380,14 @@ async def test_a_zombie_that_wakes_leaves_the_request_to_its_new_owner(tmp_path)
     survivor = start_synthetic_worker(server.url, "zombie", tmp_path, name="ws", env=ZOMBIE_ENV, wait=False)
     try:
         wait_for_worker(server.url, "zombie", survivor, count=2)
-        # the survivor-to-be is frozen too, and stays frozen until its blocked read has timed out
-        # in Redis (BLOCK 1 s): then only the zombie's read can be served the request. (Both are
-        # up beforehand, so the zombie is frozen for seconds only: a worker frozen past its
-        # blocking reader's socket timeout, 11 s, would drop the delivered reply unread.)
+        # the survivor-to-be is frozen too, and stays frozen; once its blocked read has timed out
+        # in Redis (BLOCK 1 s; CLIENT LIST shows it), only the zombie's read can be served the
+        # request. (Both are up beforehand, so the zombie is frozen for seconds only: a worker
+        # frozen past its blocking reader's socket timeout, 11 s, would drop the delivered reply unread.)
         survivor.signal(signal.SIGSTOP)
-        await asyncio.sleep(1.5)
+        async def survivors_read_timed_out() -> bool:
+            return not await blocked_in_xreadgroup(redis, survivor.pid)
+        assert await eventually(survivors_read_timed_out, timeout=10, interval=0.05), "its read never timed out"
         rid = new_rid()
         try:
             entry_id = await deliver_to_a_frozen_worker(redis, keys, zombie, "wz", RequestEntry(
@@ -549,9 +566,25 @@ async def test_a_worker_whose_every_step_fails_stops_taking_work_and_says_why(
             return info.get("state") == "unhealthy"
         assert await eventually(unhealthy, timeout=10), info
         assert "illegal memory access" in info["reason"], info
-        # no more work taken: a new request stays in the queue for a healthy worker
+        # no more work taken: a new request stays in the queue for a healthy worker. Two of its
+        # heartbeats after the submit (its loops ran meanwhile; a reading worker is served the
+        # entry at once), the entry is undelivered, or was handed back at once by a read that
+        # was already blocked when the engine turned unhealthy (an idle time far above
+        # claim_idle_ms: the next XAUTOCLAIM anywhere takes it), and it never ran here
         waiting = await submit(redis_client, keys, max_tokens=5)
-        await asyncio.sleep(3)
+        await beats_after(redis_client, keys, "w-sick", int(time.time() * 1000), count=2)
+        [(entry_id, _)] = await redis_client.xrevrange(keys.requests, count=1)     # `waiting`'s
+        found: tuple = ()
+
+        async def left_for_a_healthy_worker() -> bool:
+            nonlocal found
+            [group] = await redis_client.xinfo_groups(keys.requests)
+            pending = await redis_client.xpending_range(keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id,
+                                                        count=1)
+            found = (group, pending)
+            handed_back = bool(pending) and pending[0]["time_since_delivered"] >= 3_600_000
+            return group["last-delivered-id"] != entry_id or handed_back
+        assert await eventually(left_for_a_healthy_worker, timeout=10), found
         assert await redis_client.xlen(keys.out(waiting)) == 0 and await owner_of(redis_client, keys, waiting) is None
         # the container health check says so, with the reason
         check = subprocess.run([sys.executable, str(ROOT / "deploy" / "healthcheck.py"), "worker"], cwd=ROOT,
@@ -665,7 +698,7 @@ async def test_request_failing_on_every_worker_is_dead_lettered(redis_server, re
     rid = await submit(redis_client, keys, max_tokens=5)
     # its last (dead) worker had already streamed two tokens
     for seq in (1, 2):
-        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: encode_tok(rid, seq, [7], "x", 1, 0)},
+        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: TokEvent(rid, seq, [7], "x", 1, 0).encode()},
                                 id=history_id(seq, False))
     resp = await redis_client.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"}, count=1)
     entry_id = resp[0][1][0][0]

@@ -453,7 +453,8 @@ async def test_a_stalled_redis_does_not_hold_up_a_sockets_streams_or_its_done(tm
     the gateway read a batch of live events, the socket still gets request A's tokens and its
     `done`, and request B's tokens behind it; B ends once Redis is back."""
     from shared.localredis import LocalRedis
-    from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, encode_done, encode_tok, pack_event_list
+    from shared.events import DoneEvent, DoneUsage, TokEvent
+    from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, pack_event_list
     server = LocalRedis().start()
     redis = aioredis.from_url(server.url)
     keys = Keys("stall")
@@ -469,8 +470,9 @@ async def test_a_stalled_redis_does_not_hold_up_a_sockets_streams_or_its_done(tm
             entries = [RequestEntry.decode(f[ENTRY_FIELD]) for _, f in got[0][1]]
             rid = {("A", "B")[i]: e.rid for i, e in enumerate(entries)}   # submitted in this order
             gw_id = entries[0].gw
-            batch = [encode_tok(rid["A"], 3, [1, 2, 3], "abc", 1, 0), encode_done(rid["A"], 3, "length", 1, 3, 1, 0),
-                     encode_tok(rid["B"], 2, [4, 5], "de", 1, 0)]
+            batch = [TokEvent(rid["A"], 3, [1, 2, 3], "abc", 1, 0).encode(),
+                     DoneEvent(rid["A"], 3, "length", DoneUsage(1, 3), 1, 0).encode(),
+                     TokEvent(rid["B"], 2, [4, 5], "de", 1, 0).encode()]
             # (no history needed: the live events join up on their own)
             await redis.xadd(keys.inbox(gw_id), {ENTRY_FIELD: pack_event_list(batch)})
             # Redis answers a blocked XREAD in the same pass as the XADD that wakes it: by the
@@ -485,7 +487,7 @@ async def test_a_stalled_redis_does_not_hold_up_a_sockets_streams_or_its_done(tm
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)
             await redis.xadd(keys.inbox(gw_id), {ENTRY_FIELD: pack_event_list(
-                [encode_done(rid["B"], 2, "stop", 1, 2, 1, 0)])})
+                [DoneEvent(rid["B"], 2, "stop", DoneUsage(1, 2), 1, 0).encode()])})
             _, done_b = await c.until_done("B", timeout=10)
             assert done_b["type"] == "done" and done_b["seq"] == 2
             # the bookkeeping held back while Redis was frozen is written once it is back

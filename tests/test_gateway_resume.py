@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-from shared.streams import ENTRY_FIELD, Keys, encode_done, encode_tok, history_id, pack_event_list
+from shared.events import DoneEvent, DoneUsage, TokEvent
+from shared.streams import ENTRY_FIELD, Keys, history_id, pack_event_list
 from tests.gateway_client import GatewayClient
 from tests.stack_fixtures import StackSpec, gateway_in_process, gateway_settings
 from tests.worker_redis import read_events, silent_worker, text_of
@@ -84,10 +85,10 @@ async def test_a_live_event_past_a_gap_is_completed_from_history(redis_server, s
         c = await GatewayClient.connect(gw.ws_url)
         rid = await c.generate("g1", prompt="x", max_tokens=10)
         inbox = keys.inbox((await redis_client.hget(keys.meta(rid), "gw")).decode())
-        toks = [encode_tok(rid, seq, [seq], text, 1, 0) for seq, text in ((1, "A"), (2, "B"), (3, "C"))]
+        toks = [TokEvent(rid, seq, [seq], text, 1, 0).encode() for seq, text in ((1, "A"), (2, "B"), (3, "C"))]
         for seq, ev in enumerate(toks, 1):
             await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: ev}, id=history_id(seq, False))
-        done = encode_done(rid, 3, "stop", 1, 3, 1, 0)
+        done = DoneEvent(rid, 3, "stop", DoneUsage(1, 3), 1, 0).encode()
         await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: done}, id=history_id(3, True))
         await redis_client.xadd(inbox, {ENTRY_FIELD: pack_event_list([toks[0]])})
         await redis_client.xadd(inbox, {ENTRY_FIELD: pack_event_list([toks[2]])})    # seq 2 never came live

@@ -16,7 +16,6 @@ it: scripts/install-helm.sh) for the default values and every values file in the
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from gateway.hub import Hub
+from gateway.sessions import DRAIN_TIMEOUT_S
 from gateway.server import build_config
 from gateway.settings import GatewaySettings
 from shared.config import Settings
@@ -145,7 +144,7 @@ def test_gateway_prestop_is_a_native_sleep_where_kubernetes_has_one():
 def test_gateway_grace_period_covers_prestop_and_its_drain():
     """SIGKILL must not cut a drain short: preStop, then the hub's drain (every client told to
     reconnect) and uvicorn's graceful shutdown, at their defaults in gateway/."""
-    drain_s = inspect.signature(Hub.drain).parameters["timeout"].default
+    drain_s = DRAIN_TIMEOUT_S
     uvicorn_s = build_config(GatewaySettings(), app=object()).timeout_graceful_shutdown
     for values_file in VALUES_FILES:
         spec = one(manifests(values_file), "Deployment", "-gateway")["spec"]["template"]["spec"]
@@ -217,7 +216,7 @@ def test_default_worker_is_cpu_only_and_gpu_values_ask_for_nvidia_gpus():
     mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
     assert model_path.startswith(mounts["models"] + "/")
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["models"] == mounts["models"]
-    from worker.model_files import SMOLLM2_GGUF, SMOLLM2_PACKAGE
+    from worker.engine.model_files import SMOLLM2_GGUF, SMOLLM2_PACKAGE
     assert model_path.endswith(f"/{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}"), "where pip --target puts the package's file"
 
 

@@ -12,7 +12,9 @@ from shared.protocol import (
     Accepted, Chunk, Done, Error, Heartbeat, Pong, Usage, decode_frame, encode_server,
     parse_client_message, parse_server_message,
 )
-from shared.streams import Keys, RequestEntry, SamplingParams, decode_event, encode_tok
+from shared.sampling import SamplingParams
+from shared.events import TokEvent
+from shared.streams import Keys, RequestEntry, decode_event
 
 CLIENT_MESSAGES = [
     {"type": "generate", "id": "r1", "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "seed": 3, "stop": ["\n"]},
@@ -147,7 +149,7 @@ def test_malformed_request_entries_raise_value_error(raw):
 
 
 def test_out_events_round_trip_and_keys_are_hash_tagged():
-    raw = encode_tok("r", 3, [5, 6], "ab", 2, 1000)
+    raw = TokEvent("r", 3, [5, 6], "ab", 2, 1000).encode()
     assert decode_event(raw) == {"v": 2, "k": "tok", "rid": "r", "seq": 3, "n": 2, "ids": [5, 6], "text": "ab",
                                  "ep": 2, "ms": 1000}
     keys = Keys("p")

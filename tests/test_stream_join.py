@@ -5,26 +5,32 @@ from __future__ import annotations
 import random
 
 from gateway.stream_join import StreamJoin
-from tests.worker_redis import history_after
+from shared.errors import ErrorCode
+from shared.events import DoneEvent, ErrEvent, HistoryEvent, TokEvent
 
 
-def tok(seq: int, n: int = 1, ep: int = 1) -> dict:
-    return {"k": "tok", "seq": seq, "n": n, "ids": list(range(seq - n + 1, seq + 1)),
-            "text": "".join(f"<{i}>" for i in range(seq - n + 1, seq + 1)), "ep": ep}
+def tok(seq: int, n: int = 1, ep: int = 1) -> TokEvent:
+    return TokEvent("r", seq, list(range(seq - n + 1, seq + 1)), "".join(f"<{i}>" for i in range(seq - n + 1, seq + 1)),
+                    ep, 0)
 
 
-def done(seq: int, ep: int = 1) -> dict:
-    return {"k": "done", "seq": seq, "finish_reason": "stop", "usage": {}, "ep": ep}
+def done(seq: int, ep: int = 1) -> DoneEvent:
+    return DoneEvent("r", seq, "stop", None, ep)
 
 
-def seqs(events: list[dict]) -> list:
-    return [(e["k"], e["seq"]) for e in events]
+def history_after(history: list[HistoryEvent], after: int) -> list[HistoryEvent]:
+    """What a read of the history after token `after` returns (gateway.submit.read_history)."""
+    return [e for e in history if (isinstance(e, TokEvent) and e.seq > after) or (e.is_final and e.seq >= after)]
 
 
-def lost(out: list[dict], j: StreamJoin) -> bool:
+def seqs(events: list[HistoryEvent]) -> list:
+    return [(e.KIND, e.seq) for e in events]
+
+
+def lost(out: list[HistoryEvent], j: StreamJoin) -> bool:
     """The join ended with a gap: its final is the retryable output_lost error, delivered last."""
-    return (j.gap is not None and out[-1] is j.final and out[-1]["k"] == "err" and out[-1]["code"] == "output_lost"
-            and out[-1]["retryable"] and out[-1]["seq"] == j.delivered)
+    return (j.gap is not None and out[-1] is j.final and isinstance(out[-1], ErrEvent)
+            and out[-1].code == "output_lost" and out[-1].retryable and out[-1].seq == j.delivered)
 
 
 def test_live_in_order_with_duplicates():
@@ -155,8 +161,8 @@ def test_reordered_inbox_events():
 
 def test_a_gateway_side_end_wins_once():
     j = StreamJoin()
-    assert j.end_here({"k": "done", "seq": 0, "finish_reason": "cancelled"})
-    assert not j.end_here({"k": "err", "seq": 0})
+    assert j.end_here(DoneEvent.here("r", 0, "cancelled"))
+    assert not j.end_here(ErrEvent.here("r", 0, ErrorCode.STALLED, "no output"))
     assert j.live(tok(1)) == []
 
 
@@ -174,10 +180,10 @@ def test_random_interleavings_deliver_every_token_once_in_order_or_end_with_a_ga
             seq += n
             events.append(tok(seq, n, ep=1 if i < switch else 2))
         events.append(done(seq, ep=2 if len(events) > switch else 1))
-        bounds = [0] + [e["seq"] for e in events if e["k"] == "tok"]
+        bounds = [0] + [e.seq for e in events if isinstance(e, TokEvent)]
         start = rng.choice(bounds)                    # resume from an event boundary
         lost_before = rng.choice([0] * 3 + bounds)    # the history lost everything up to here
-        history = [e for e in events if e["k"] != "tok" or e["seq"] - e["n"] >= lost_before]
+        history = [e for e in events if not isinstance(e, TokEvent) or e.seq - e.n >= lost_before]
         live = []
         for e in events:                              # live copies: lost, duplicated, late
             if rng.random() < 0.25:
@@ -191,7 +197,7 @@ def test_random_interleavings_deliver_every_token_once_in_order_or_end_with_a_ga
                 live[i], live[i + 1] = live[i + 1], live[i]
         resume = start > 0 or rng.random() < 0.3
         j = StreamJoin(start, attaching=resume)
-        out: list[dict] = []
+        out: list[HistoryEvent] = []
         pending_read: int | None = None
         marker_at = rng.randrange(len(live) + 1) if resume else -1
         steps = list(live) + [None] * 4               # None: nothing arrives, time passes
@@ -212,7 +218,7 @@ def test_random_interleavings_deliver_every_token_once_in_order_or_end_with_a_ga
                 pending_read = j.start_read()
             out += j.history(history_after(history, pending_read))
             pending_read = None
-        expected = [e for e in events if e["k"] != "tok" or e["seq"] > start]
+        expected = [e for e in events if not isinstance(e, TokEvent) or e.seq > start]
         if j.gap is None:
             assert out == expected, (case, start, lost_before, seqs(out), seqs(expected))
         else:

@@ -1,4 +1,4 @@
-"""gateway.tool_calls: calls read out of streamed text, however the text is cut into pieces."""
+"""gateway.openai.tool_calls: calls read out of streamed text, however the text is cut into pieces."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.tool_calls import ToolCallParser
+from gateway.openai.tool_calls import ToolCallParser
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": {"n": 2}, "note": "a}b"}}'
 ARGS = '{"city": "Paris", "days": {"n": 2}, "note": "a}b"}'

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams
+from shared.sampling import SamplingParams
+from shared.streams import ENTRY_FIELD, Keys, RequestEntry
 from tests.stack_fixtures import start_worker
 from tests.worker_redis import check_seqs, new_rid, read_events
 

@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 from shared.config import Settings
 from shared.localredis import LocalRedis
 from shared.redis_client import connect
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event_list
+from shared.sampling import SamplingParams
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, decode_event_list
 from worker.engine import StepOutput
 from worker.events import InFlight, Progress
 from worker import output_writer

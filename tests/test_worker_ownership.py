@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 
 from shared.aio import cancel_and_wait
 from shared.config import Settings
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str, encode_done, encode_tok
+from shared.events import DoneEvent, DoneUsage, TokEvent
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str
 from tests.gateway_client import eventually
 from tests.worker_redis import meta_of, new_rid, pending_after_acks, read_events, submit
 from worker.engine_thread import EngineThread
 from worker.events import InFlight, Progress
 from worker.inflight import InFlightTable, Stats
 from worker.intake import Intake
+from worker.leases import Leases
 from worker.output_writer import OutputWriter
 from worker.ownership import Finished, Held, Ownership, Taken, keep_fresh_interval, lease_ms
 from worker.synthetic import SyntheticEngine
@@ -63,17 +66,17 @@ async def test_a_worker_takes_a_request_only_unowned_its_own_or_after_its_owners
     # the lease lapsed (its owner stopped refreshing it: it died): another worker takes it, with the
     # delivered tokens a continuation starts from, and the cancel flag
     await redis_client.hset(keys.meta("r"), "lease", await redis_ms(redis_client) - 1)
-    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: encode_tok("r", 2, [5, 6], "ab", 2, 0)}, id="2-0")
+    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: TokEvent("r", 2, [5, 6], "ab", 2, 0).encode()}, id="2-0")
     await redis_client.set(keys.cancel("r"), 1)
     got = await wb.take("r")
     assert isinstance(got, Taken) and got.epoch == 3 and got.cancelled
-    assert [(e["k"], e["seq"], e["ids"]) for e in got.history] == [("tok", 2, [5, 6])]
+    assert [(e.KIND, e.seq, e.ids) for e in got.history] == [("tok", 2, [5, 6])]
     assert (await meta_of(redis_client, keys, "r"))["owner"] == "wb"
     # an owner without a lease (a worker from before leases) counts as lapsed
     await redis_client.hdel(keys.meta("r"), "lease")
     assert (await wa.take("r", whole_history=False)).epoch == 4
     # a history that ends with a final: nothing to run, not taken, nothing written (only an ack is due)
-    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: encode_done("r", 2, "length", 1, 2, 4, 0)}, id="2-1")
+    await redis_client.xadd(keys.out("r"), {ENTRY_FIELD: DoneEvent("r", 2, "length", DoneUsage(1, 2), 4, 0).encode()}, id="2-1")
     before = await redis_client.hgetall(keys.meta("r"))
     assert isinstance(await wb.take("r"), Finished) and isinstance(await wa.take("r"), Finished)
     assert await redis_client.hgetall(keys.meta("r")) == before
@@ -109,6 +112,19 @@ async def test_keep_extends_only_its_own_lease_and_tells_a_moved_epoch(redis_cli
     assert "owner" not in meta and "lease" not in meta and meta["epoch"] == "2"
 
 
+@dataclass
+class IntakeParts:
+    """What intake_of builds; the test drives and reads them through their public methods."""
+    intake: Intake
+    leases: Leases
+    table: InFlightTable
+    stats: Stats
+
+    def rids(self) -> set[str]:
+        """The requests this worker holds now."""
+        return {st.rid for st in self.table.states()}
+
+
 @contextlib.asynccontextmanager
 async def intake_of(redis, s: Settings, worker_id: str):
     """An Intake built from its parts, its output writer running, around the synthetic engine."""
@@ -117,14 +133,18 @@ async def intake_of(redis, s: Settings, worker_id: str):
     table = InFlightTable(engine, capacity=4, queue_depth=0, stats=stats)
     writer = OutputWriter(redis, keys, s, worker_id, on_give_up=table.give_up, on_done=table.finished,
                           on_fenced=table.drop)
+    ownership = Ownership(redis, keys, s, worker_id)
+    leases = Leases(redis=redis, keys=keys, settings=s, worker_id=worker_id, ownership=ownership, table=table,
+                    engine=engine, stats=stats)
     intake = Intake(redis=redis, blocking_redis=redis, keys=keys, settings=s, worker_id=worker_id, table=table,
-                    engine=engine, writer=writer, stats=stats, stop=asyncio.Event())
+                    engine=engine, writer=writer, stats=stats, stop=asyncio.Event(), ownership=ownership,
+                    leases=leases)
     await intake.ensure_group()
     outputs = asyncio.Event()
     engine.start(outputs.set)
-    task = asyncio.create_task(writer.run(engine.take_outputs, table.requests, outputs))
+    task = asyncio.create_task(writer.run(engine.take_outputs, table.view, outputs))
     try:
-        yield intake
+        yield IntakeParts(intake, leases, table, stats)
     finally:
         await cancel_and_wait(task)
         engine.stop()
@@ -144,20 +164,20 @@ async def test_an_entry_for_a_request_a_live_worker_holds_is_left_to_it_without_
     keys, s = Keys(stream_prefix), settings(stream_prefix)
     rid = new_rid()
     owner = Ownership(redis_client, keys, s, "wa")               # the live owner (this test refreshes its lease)
-    async with intake_of(redis_client, s, "wb") as intake:
+    async with intake_of(redis_client, s, "wb") as wb:
         entry_id, fields = await delivered(redis_client, keys, "wb", rid, max_tokens=50)
         await owner.take(rid)
         before = await redis_client.hgetall(keys.meta(rid))
-        await intake.accept(entry_id, fields, deliveries=1)
-        assert list(intake.contested) == [entry_id] and not intake.table.requests
+        await wb.intake.accept(entry_id, fields, deliveries=1)
+        assert wb.intake.contested() == {entry_id} and not wb.rids()
         assert await redis_client.hgetall(keys.meta(rid)) == before
         st = InFlight.start(rid, entry_id, None, Progress(), epoch=1)
         async def settled() -> bool:
             assert await owner.keep([st]) == [0]                  # wa's keep-fresh round
-            await intake.recheck_contested()                      # wb's claim loop
-            return not intake.contested
+            await wb.intake.recheck_contested()                   # wb's claim loop
+            return not wb.intake.contested()
         assert await eventually(settled, timeout=10, interval=0.1)
-        assert intake.stats.yielded == 1 and not intake.table.requests
+        assert wb.stats.yielded == 1 and not wb.rids()
         meta = await meta_of(redis_client, keys, rid)
         assert (meta["owner"], meta["epoch"]) == ("wa", "1")
         assert await redis_client.xlen(keys.out(rid)) == 0
@@ -171,16 +191,16 @@ async def test_a_contested_request_is_taken_once_its_owners_lease_lapses(redis_c
     keys, s = Keys(stream_prefix), settings(stream_prefix)
     rid = new_rid()
     short = settings(stream_prefix, worker_ttl_s=0.4, worker_heartbeat_s=0.1)   # a 0.3 s lease
-    async with intake_of(redis_client, s, "wb") as intake:
+    async with intake_of(redis_client, s, "wb") as wb:
         entry_id, fields = await delivered(redis_client, keys, "wb", rid, max_tokens=20)
         await Ownership(redis_client, keys, short, "wa").take(rid)
-        await intake.accept(entry_id, fields, deliveries=1)
-        assert entry_id in intake.contested
+        await wb.intake.accept(entry_id, fields, deliveries=1)
+        assert entry_id in wb.intake.contested()
         async def taken_over() -> bool:
-            await intake.recheck_contested()
-            return not intake.contested
+            await wb.intake.recheck_contested()
+            return not wb.intake.contested()
         assert await eventually(taken_over, timeout=10, interval=0.05)
-        assert intake.stats.yielded == 0
+        assert wb.stats.yielded == 0
         events = await read_events(redis_client, keys, rid, timeout=30)
         assert events[-1]["k"] == "done" and {e["ep"] for e in events} == {2}
         assert await pending_after_acks(redis_client, keys) == 0
@@ -191,23 +211,23 @@ async def test_keep_fresh_takes_back_an_entry_another_consumer_claimed_and_drops
     """Meta ownership is the truth and the pending list follows it: an entry of a request we own
     that another consumer claimed comes back to us; a request whose epoch moved on is dropped."""
     keys, s = Keys(stream_prefix), settings(stream_prefix)
-    async with intake_of(redis_client, s, "wa") as intake:
+    async with intake_of(redis_client, s, "wa") as wa:
         kept, lost = new_rid(), new_rid()
         ids = {}
         for rid in (kept, lost):
             entry_id, fields = await delivered(redis_client, keys, "wa", rid, max_tokens=100_000)
-            await intake.accept(entry_id, fields, deliveries=1)
+            await wa.intake.accept(entry_id, fields, deliveries=1)
             ids[rid] = entry_id
-        assert set(intake.table.requests) == {kept, lost}
+        assert wa.rids() == {kept, lost}
         lease = int((await meta_of(redis_client, keys, kept))["lease"])
         # a worker that judged wa dead claimed kept's entry, found wa's lease alive and left it
         await redis_client.xclaim(keys.requests, CONSUMER_GROUP, "thief", 0, [ids[kept]], justid=True)
         # another worker took lost over (its epoch moved on)
         await redis_client.hset(keys.meta(lost), mapping={"owner": "wc", "epoch": 2})
-        await intake.keep_fresh_once()
+        await wa.leases.keep_fresh_once()
         pending = {as_str(p["message_id"]): as_str(p["consumer"]) for p in await redis_client.xpending_range(
             keys.requests, CONSUMER_GROUP, min="-", max="+", count=10)}
         assert pending[ids[kept]] == "wa"
         assert int((await meta_of(redis_client, keys, kept))["lease"]) > lease
-        assert set(intake.table.requests) == {kept} and intake.stats.dropped == 1
+        assert wa.rids() == {kept} and wa.stats.dropped == 1
         assert (await meta_of(redis_client, keys, lost))["owner"] == "wc"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 from shared.errors import ErrorCode
-from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event,
-                            decode_event_list, encode_tok, pack_event_list)
+from shared.sampling import SamplingParams
+from shared.events import TokEvent, event_from_map
+from shared.streams import (CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, decode_event,
+                            decode_event_list, pack_event_list)
 from worker.engine import StepOutput
 from worker.events import InFlight, Progress, progress_from_last
 from worker.failover import decide, rid_of_raw
@@ -18,7 +20,7 @@ def entry(**params) -> RequestEntry:
 
 
 def test_failover_decisions():
-    tok = lambda seq, ids: {"k": "tok", "seq": seq, "n": len(ids), "ids": ids}
+    tok = lambda seq, ids: TokEvent("r", seq, ids, "", 1, 0)
     assert decide(entry(temperature=0.7), Progress(), []).action == "run"
     assert decide(entry(temperature=0.7), Progress(seq=3, finished=True), []).action == "ack"
     history = [tok(2, [5, 6]), tok(5, [7, 8, 9])]
@@ -27,7 +29,7 @@ def test_failover_decisions():
         assert (d.action, d.generated_ids) == ("continue", [5, 6, 7, 8, 9])
     # a history that does not cover 1..seq (trimmed, or events without ids) cannot be continued
     assert decide(entry(temperature=1.0), Progress(seq=5), history[1:]).action == "lost"
-    assert decide(entry(temperature=1.0), Progress(seq=5), [tok(2, [5, 6]), {"k": "tok", "seq": 5, "n": 3}]).action == "lost"
+    assert decide(entry(temperature=1.0), Progress(seq=5), [tok(2, [5, 6]), event_from_map({"k": "tok", "seq": 5, "n": 3})]).action == "lost"
 
 
 def out(text, ids, fin=False, reason=None):
@@ -47,8 +49,8 @@ def test_events_v2_cover_many_tokens_with_ids_seq_range_and_epoch():
     assert decoded[1]["ids"] == [2, 3, 4] and decoded[1]["text"] == "lo you"
     assert all(e["v"] == 2 and e["ep"] == 2 and e["rid"] == "r" for e in decoded)
     assert all(abs(e["ms"] - time.time() * 1000) < 60_000 for e in decoded)
-    assert progress_from_last(decoded[1]) == Progress(seq=4)
-    assert progress_from_last(decoded[-1]).finished
+    assert progress_from_last(event_from_map(decoded[1])) == Progress(seq=4)
+    assert progress_from_last(event_from_map(decoded[-1])).finished
     # outputs stay queued until confirmed; a retry sends the very same frozen events
     before = list(st.unsent)
     st.freeze()
@@ -77,7 +79,7 @@ def test_error_final_and_urgency():
 
 
 def test_inbox_entries_are_lists_of_events():
-    payloads = [encode_tok(f"r{i}", i + 1, [i], "x", 1, 0) for i in range(40)]
+    payloads = [TokEvent(f"r{i}", i + 1, [i], "x", 1, 0).encode() for i in range(40)]
     for n in (0, 1, 15, 16, 40):
         assert decode_event_list(pack_event_list(payloads[:n])) == [decode_event(p) for p in payloads[:n]]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from worker.model_files import SMOLLM2_GGUF, smollm2_dir
+from worker.engine.model_files import SMOLLM2_GGUF, smollm2_dir
 
 
 def make_tiny_model_dir(path: str | os.PathLike, *, layers: int = 2, hidden: int = 64, seed: int = 0,

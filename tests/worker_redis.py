@@ -7,7 +7,9 @@ import time
 import uuid
 
 from gateway.stream_join import StreamJoin
-from shared.streams import ENTRY_FIELD, Keys, RequestEntry, SamplingParams, decode_event, decode_event_list
+from shared.sampling import SamplingParams
+from shared.events import event_from_map
+from shared.streams import ENTRY_FIELD, Keys, RequestEntry, decode_event, decode_event_list
 from tests.gateway_client import eventually
 
 
@@ -100,13 +102,25 @@ def client_view(live: list[dict], history: list[dict] | None = None, *, after: i
     order, then the final, or the `output_lost` error where the history cannot fill a hole.
     `after`: the client already has tokens up to here."""
     join = StreamJoin(after)
+    given: dict[int, dict] = {}         # the join takes typed events (shared.events); this view gives back the maps
+    keep: list = []
+
+    def typed(maps: list[dict]) -> list:
+        events = [event_from_map(e) for e in maps]
+        keep.extend(events)
+        given.update((id(ev), e) for ev, e in zip(events, maps))
+        return events
+
+    def as_maps(events: list) -> list[dict]:     # a gap's output_lost final is the join's own
+        return [given.get(id(ev)) or {"k": ev.KIND, "seq": ev.seq, "code": ev.code, "message": ev.message,
+                                      "retryable": ev.retryable, "local": True} for ev in events]
     out: list[dict] = []
     for ev in live:
         if ev.get("k") == "att":
             continue                    # attach markers matter to a resuming join only
-        out += join.live(ev)
+        out += as_maps(join.live(typed([ev])[0]))
         while join.wants_read and not join.ended:
-            out += join.history(history_after(history or [], join.start_read()))
+            out += as_maps(join.history(typed(history_after(history or [], join.start_read()))))
     return out
 
 
@@ -176,6 +190,18 @@ async def pending_after_acks(redis, keys: Keys, timeout: float = 10.0) -> int:
 async def worker_info(redis, keys: Keys, worker: str) -> dict[str, str]:
     """A worker's registry hash (`p:{w:<id>}:info`, refreshed with every heartbeat) as strings."""
     return {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.worker(worker))).items()}
+
+
+async def beats_after(redis, keys: Keys, worker: str, after_ms: int, *, count: int = 1, timeout: float = 30.0) -> None:
+    """Wait until `worker` has written `count` registry heartbeats after `after_ms` (wall clock):
+    its event loop has run that many heartbeat rounds since (a wait on the worker's own
+    progress, not on a guessed time)."""
+    last = after_ms
+    for _ in range(count):
+        async def newer() -> bool:
+            return int((await worker_info(redis, keys, worker)).get("heartbeat_ms", 0)) > last
+        assert await eventually(newer, timeout=timeout, interval=0.05), f"worker {worker} stopped beating"
+        last = int((await worker_info(redis, keys, worker))["heartbeat_ms"])
 
 
 async def meta_of(redis, keys: Keys, rid: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ import sys
 
 from shared.config import get_settings
 from shared.logs import configure
-from worker.model_files import SMOLLM2_GGUF
+from worker.engine.model_files import SMOLLM2_GGUF
 
 
 def dump_stacks() -> None:

@@ -5,7 +5,7 @@ Why its own module: a gateway reaches the worker that owns a request only throug
 
 * cancel: goes straight into the engine inbox, effective at the next step boundary;
 * take (routing): another worker handed us a request entry routed here; it is in our pending
-  list, intake runs it (worker.intake.take_forwarded);
+  list, intake runs it (worker.intake.Intake.take_forwarded);
 * attach (a client resumed on gateway `gw`): the request's live events are routed to `gw`'s
   inbox from now on; the writer flushes what it has, then sends the attach marker "everything
   <= S is in history" (worker.output_writer.OutputWriter.attach). For a request this worker
@@ -28,7 +28,8 @@ import msgpack
 from redis.exceptions import RedisError
 
 from shared.errors import ErrorCode
-from shared.streams import ENTRY_FIELD, TOKENIZE_KINDS, Keys, as_str, encode_tokenize_reply
+from shared.events import TokenizeReply
+from shared.streams import ENTRY_FIELD, TOKENIZE_KINDS, Keys, as_str
 from worker.engine_client import Cancel, EngineClient
 from worker.inflight import InFlightTable
 from worker.output_writer import OutputWriter
@@ -78,7 +79,7 @@ class Control:
         except Exception:
             log.warning("ignoring malformed control entry %r", raw[:100] if raw else raw)
             return
-        st = self.table.requests.get(rid)
+        st = self.table.get(rid)
         if kind == "cancel":
             if st is not None and not st.engine_done:
                 self.engine.submit(Cancel(rid, received_at=time.time()))
@@ -118,6 +119,6 @@ class Control:
             except TimeoutError:         # the gateway has given up long since; free the slot
                 answer = refusal(ErrorCode.STALLED, f"no answer from the tokenizer within {TOKENIZE_TIMEOUT_S:g} s")
         try:
-            await self.writer.to_inbox(gw, encode_tokenize_reply(reply_id, answer))
+            await self.writer.to_inbox(gw, TokenizeReply.from_answer(reply_id, answer).encode())
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("tokenize reply to gateway %s not written: %s", gw, exc)

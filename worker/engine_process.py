@@ -7,7 +7,8 @@ one GIL. At GPU pace (256 rows every few ms) the two together need more than one
 Python, so one process could not keep the pace however fast the device. Here the child runs
 the unchanged `EngineThread` around the engine; the parent (the asyncio service) sees the same
 `submit` / `take_outputs` / load figures, and the two talk over a pipe in msgpack: one message
-per command and one per step's outputs, sent by the engine thread itself right after the step
+per command and one per step's outputs (keyed columns, worker.engine_wire), sent by the engine
+thread itself right after the step
 and read by the parent's event loop (no thread on either side whose only job is the pipe, so
 no GIL hand-offs per step; ~1 µs a row in all, against the GIL time it frees).
 
@@ -41,6 +42,7 @@ from shared.streams import RequestEntry
 from worker.engine import StepOutput
 from worker.engine_client import Add, Cancel, EngineClient
 from worker.engine_thread import EngineThread
+from worker.engine_wire import pack_outputs, unpack_outputs
 from worker.telemetry import Telemetry
 from worker.tokenization import refusal
 
@@ -54,31 +56,7 @@ class EngineStartFailed(RuntimeError):
     pass
 
 
-# ---- wire format (positional msgpack lists) ------------------------------------------------
-
-def _pack_output(o: StepOutput) -> list:
-    """A token output in 6 fields; finals and errors in all 12; logprobs (when asked) one more."""
-    if not o.finished and o.error_code is None:
-        fields = [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms]
-    else:
-        fields = [o.rid, o.text, o.token_ids, o.prompt_tokens, o.completion_tokens, o.emitted_ms,
-                  o.finished, o.finish_reason, o.error_code.value if o.error_code is not None else None,
-                  o.error_message, o.cached_tokens, o.admitted_ms]
-    if o.logprobs is not None:
-        fields.append(o.logprobs)
-    return fields
-
-
-def _unpack_output(f: list) -> StepOutput:
-    if len(f) <= 7:
-        out = StepOutput(f[0], f[1], list(f[2]), False, None, f[3], f[4], None, None, f[5])
-    else:
-        out = StepOutput(f[0], f[1], list(f[2]), f[6], f[7], f[3], f[4], ErrorCode(f[8]) if f[8] is not None else None,
-                         f[9], f[5], f[10], f[11])
-    if len(f) in (7, 13):
-        out.logprobs = f[-1]
-    return out
-
+# ---- load figures -------------------------------------------------------------------------
 
 def _status(t: EngineThread) -> list:
     return [t.running, t.waiting, t.kv_used, t.preemptions, t.steps, t.failed_steps, t.unhealthy_reason,
@@ -230,8 +208,7 @@ class EngineProcess:
         conn, got = self._conn, False
         try:
             for _ in range(self.MESSAGES_PER_WAKE):
-                # tuples, not lists: a third of the decoding cost at 1024 rows a step
-                kind, *rest = msgpack.unpackb(conn.recv_bytes(), use_list=False)
+                kind, *rest = msgpack.unpackb(conn.recv_bytes())
                 if kind == "tokr":
                     reply = self._tokenize_replies.get(rest[0])
                     if reply is not None and not reply.done():
@@ -240,7 +217,7 @@ class EngineProcess:
                     self._apply_status(rest[-2])
                     self._telemetry.merge(Telemetry.unpack(rest[-1]))
                 if kind == "out":
-                    self._outputs.extend([_unpack_output(f) for f in rest[0]])
+                    self._outputs.extend(unpack_outputs(rest[0]))
                     got = True
                 if not conn.poll():
                     break
@@ -313,7 +290,7 @@ class _ChildLink:
             if self._stop:
                 return
             self._outstanding += len(outs)
-        self.send(["out", [_pack_output(o) for o in outs], _status(self.thread), self.thread.take_telemetry().pack()])
+        self.send(["out", pack_outputs(outs), _status(self.thread), self.thread.take_telemetry().pack()])
 
     def took(self, n: int) -> None:
         with self._credit:

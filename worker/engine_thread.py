@@ -35,9 +35,11 @@ log = logging.getLogger("worker.engine")
 FAILED_STEPS_UNHEALTHY = 3   # consecutive steps that only failed before the engine is declared unhealthy
 
 
-def error_output(rid: str, code: ErrorCode, message: str, prompt_tokens: int = 0) -> StepOutput:
+def error_output(rid: str, code: ErrorCode, message: str, prompt_tokens: int = 0, *,
+                 param: str | None = None) -> StepOutput:
     return StepOutput(rid=rid, text="", token_ids=[], finished=True, finish_reason="error",
-                      prompt_tokens=prompt_tokens, completion_tokens=0, error_code=code, error_message=message)
+                      prompt_tokens=prompt_tokens, completion_tokens=0, error_code=code, error_message=message,
+                      error_param=param)
 
 
 class EngineThread:
@@ -209,7 +211,7 @@ class EngineThread:
                                           priority=entry.priority, generated_ids=list(command.generated_ids),
                                           ignore_eos=entry.params.ignore_eos))
         except EngineRejected as exc:
-            return [error_output(entry.rid, exc.code, exc.message, len(ids))]
+            return [error_output(entry.rid, exc.code, exc.message, len(ids), param=exc.param)]
         except Exception as exc:  # a bug or odd input must fail this request only
             log.exception("engine.add failed for %s", entry.rid, extra=rid_of(entry.rid))
             return [error_output(entry.rid, ErrorCode.INTERNAL, f"could not start the request: {exc}", len(ids))]

@@ -1,8 +1,9 @@
 """One request's output on its way to Redis: engine step outputs -> v2 events, queued until written.
 
 Why a queue per request: a write can fail (Redis restarting, or refusing writes when full), and
-an event may only leave the queue once Redis has it. Step outputs are appended to `pending`
-(token ids + text); `freeze()` turns what is pending into ONE token event covering many tokens
+an event may only leave the queue once Redis has it. Step outputs are appended to `pending`, the
+token event being built (`TokEvent.add_output`: ids, text, and every other per-token field);
+`freeze()` turns what is pending into ONE token event covering many tokens
 (`seq` = tokens delivered so far, `n` tokens, their ids and text) and appends it to `unsent`,
 where it stays, byte for byte, until a write confirms it. Freezing before writing matters: a
 retried write must send exactly the event it tried before (same id `{seq}-0`, same tokens), or a
@@ -19,11 +20,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import msgpack
-
 from shared.errors import RETRYABLE, ErrorCode
-from shared.streams import (FINAL_KINDS, RequestEntry, encode_attach_marker, encode_done, encode_err, encode_tok,
-                            history_id)
+from shared.events import AttachMarker, DoneEvent, DoneUsage, ErrEvent, HistoryEvent, TokEvent
+from shared.streams import RequestEntry, history_id
 from worker.engine import StepOutput
 
 
@@ -34,11 +33,11 @@ class Progress:
     finished: bool = False
 
 
-def progress_from_last(last: dict | None) -> Progress:
+def progress_from_last(last: HistoryEvent | None) -> Progress:
     """Progress from the newest event of a history stream (None: nothing written yet)."""
-    if not last:
+    if last is None:
         return Progress()
-    return Progress(seq=int(last.get("seq") or 0), finished=last.get("k") in FINAL_KINDS)
+    return Progress(seq=last.seq, finished=last.is_final)
 
 
 @dataclass
@@ -61,9 +60,7 @@ class InFlight:
     epoch: int = 0
     seq: int = 0                         # tokens put into events so far
     written_seq: int = 0                 # tokens confirmed in the history stream
-    pending_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
-    pending_lps: list | None = None      # logprobs of pending_ids, one entry each (requests that ask)
+    pending: TokEvent = field(default_factory=lambda: TokEvent("", 0, [], "", 0, 0))   # tokens not frozen yet
     pending_ms: int = 0                  # when the oldest pending output was produced
     first_token_ms: int = 0              # when the request's first token was produced (any run)
     # for the worker's metrics, set as outputs arrive (worker.metrics.request_finished)
@@ -96,25 +93,20 @@ class InFlight:
 
     def add_output(self, out: StepOutput) -> None:
         if out.token_ids or out.text:
-            if not self.pending_ids and not self.pending_text:
+            if not self.pending.ids and not self.pending.text:
                 self.pending_ms = out.emitted_ms
             if out.token_ids and not self.first_token_ms:
                 self.first_token_ms = out.emitted_ms
             if not self.meaningful_ms and out.text and not out.text.isspace():
                 self.meaningful_ms = out.emitted_ms
             self.prompt_tokens = out.prompt_tokens
-            self.pending_ids.extend(out.token_ids)
-            self.pending_text += out.text
-            if out.logprobs is not None:
-                if self.pending_lps is None:
-                    self.pending_lps = []
-                self.pending_lps.extend(out.logprobs)
+            self.pending.add_output(out)
         if out.finished:
             self.final_ms, self.admitted_ms = out.emitted_ms, out.admitted_ms
             self.completion_tokens, self.finish_reason = out.completion_tokens, out.finish_reason or "stop"
             if out.finish_reason == "error":
                 code = out.error_code or ErrorCode.INTERNAL
-                self.finish_error(code, out.error_message or code.value)
+                self.finish_error(code, out.error_message or code.value, param=out.error_param)
             else:
                 self.finish_done(out.finish_reason or "stop", out.prompt_tokens, out.completion_tokens,
                                  cached_tokens=out.cached_tokens)
@@ -127,17 +119,17 @@ class InFlight:
 
         def since_submit(at: int) -> int | None:
             return at - created if at and created else None
-        self._freeze_final(encode_done(self.rid, self.seq, reason, prompt_tokens, completion_tokens,
-                                       self.epoch, now, ttft_ms=since_submit(self.first_token_ms),
-                                       cached_tokens=cached_tokens, ttfmt_ms=since_submit(self.meaningful_ms),
-                                       ttlt_ms=since_submit(self.final_ms or now), worker=self.worker,
-                                       lane=self.lane))
+        usage = DoneUsage(prompt_tokens, completion_tokens, cached_tokens, since_submit(self.first_token_ms),
+                          since_submit(self.meaningful_ms), since_submit(self.final_ms or now))
+        self._freeze_final(DoneEvent(self.rid, self.seq, reason, usage, self.epoch, now, self.worker, self.lane))
 
-    def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None) -> None:
+    def finish_error(self, code: ErrorCode, message: str, retryable: bool | None = None, *,
+                     param: str | None = None) -> None:
+        """`param`: the request field the error is about (None: the request as a whole)."""
         self.freeze()
-        self._freeze_final(encode_err(self.rid, self.seq, code.value, message,
-                                      code in RETRYABLE if retryable is None else retryable,
-                                      self.epoch, _now_ms(), worker=self.worker, lane=self.lane))
+        self._freeze_final(ErrEvent(self.rid, self.seq, code.value, message,
+                                    code in RETRYABLE if retryable is None else retryable,
+                                    self.epoch, _now_ms(), self.worker, self.lane, param))
 
     @property
     def lane(self) -> str:
@@ -148,34 +140,32 @@ class InFlight:
     def freeze(self) -> None:
         """Pending tokens -> one frozen token event. Text that came without a token id cannot
         get a seq of its own: it waits for the next token (or rides on the final event)."""
-        if not self.pending_ids:
+        ev = self.pending
+        if not ev.ids:
             return
-        n = len(self.pending_ids)
-        self.seq += n
-        self.unsent.append(Frozen(history_id(self.seq, False),
-                                  encode_tok(self.rid, self.seq, self.pending_ids, self.pending_text, self.epoch,
-                                             self.pending_ms, self.pending_lps, self.prompt_tokens), self.seq, False))
-        self.pending_ids, self.pending_text, self.pending_lps = [], "", None
+        self.seq += len(ev.ids)
+        ev.rid, ev.seq, ev.epoch, ev.ms = self.rid, self.seq, self.epoch, self.pending_ms
+        ev.prompt_tokens = self.prompt_tokens
+        self.unsent.append(Frozen(history_id(self.seq, False), ev.encode(), self.seq, False))
+        self.pending = TokEvent(self.rid, 0, [], "", 0, 0)
 
-    def _freeze_final(self, payload: bytes) -> None:
+    def _freeze_final(self, final: DoneEvent | ErrEvent) -> None:
         if self.engine_done:  # a second final (e.g. a cancel racing the last token): keep the first
             return
-        if self.pending_text:  # text without a token id (detokenizer flush): keep it, on the final
-            obj = msgpack.unpackb(payload, raw=False)
-            obj["text"] = self.pending_text
-            payload = msgpack.packb(obj, use_bin_type=True)
-            self.pending_text = ""
+        if self.pending.text:  # text without a token id (detokenizer flush): keep it, on the final
+            final.text = self.pending.text
+            self.pending.text = ""
         self.engine_done = True
-        self.unsent.append(Frozen(history_id(self.seq, True), payload, self.seq, True))
+        self.unsent.append(Frozen(history_id(self.seq, True), final.encode(), self.seq, True))
 
     @property
     def has_news(self) -> bool:
-        return bool(self.pending_ids or self.unsent or (self.marker_att is not None and self.gw))
+        return bool(self.pending.ids or self.unsent or (self.marker_att is not None and self.gw))
 
     @property
     def urgent(self) -> bool:
         """Written without waiting for the flush tick: the first token, a final, a marker."""
-        return ((self.marker_att is not None and bool(self.gw)) or (self.written_seq == 0 and self.seq == 0 and bool(self.pending_ids))
+        return ((self.marker_att is not None and bool(self.gw)) or (self.written_seq == 0 and self.seq == 0 and bool(self.pending.ids))
                 or any(f.final for f in self.unsent))
 
     def confirm(self, frozen: list[Frozen]) -> None:
@@ -190,7 +180,7 @@ class InFlight:
 
     def marker(self) -> bytes:
         """Attach marker: everything <= written_seq is in history; the rest comes live."""
-        return encode_attach_marker(self.rid, self.written_seq, self.epoch, self.marker_att or 0)
+        return AttachMarker(self.rid, self.written_seq, self.epoch, self.marker_att or 0).encode()
 
 
 def _now_ms() -> int:

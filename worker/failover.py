@@ -28,6 +28,7 @@ from typing import Literal
 import msgpack
 
 from shared.errors import ErrorCode
+from shared.events import HistoryEvent, TokEvent
 from shared.streams import RequestEntry
 from worker.events import Progress
 
@@ -40,21 +41,21 @@ class Decision:
     generated_ids: list[int] = field(default_factory=list)   # "continue": the delivered token ids
 
 
-def delivered_ids(history: list[dict]) -> list[int] | None:
+def delivered_ids(history: list[HistoryEvent]) -> list[int] | None:
     """The token ids of a history's token events, in order; None unless they cover tokens
     1..seq exactly (every event's ids end at its seq, no gap, no overlap)."""
     ids: list[int] = []
     for ev in history:
-        if ev.get("k") != "tok":
+        if not isinstance(ev, TokEvent):
             continue
-        got = ev.get("ids")
-        if not isinstance(got, list) or int(ev.get("seq") or 0) != len(ids) + len(got):
+        got = ev.ids
+        if not isinstance(got, list) or ev.seq != len(ids) + len(got):
             return None
         ids.extend(int(i) for i in got)
     return ids
 
 
-def decide(entry: RequestEntry, progress: Progress, history: list[dict]) -> Decision:
+def decide(entry: RequestEntry, progress: Progress, history: list[HistoryEvent]) -> Decision:
     """What to do with a request taken over with this history (its events, oldest first)."""
     if progress.finished:
         return Decision("ack")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import asdict, dataclass
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping
 
 from shared.logs import rid_of
 from worker.engine_client import Cancel, EngineClient
@@ -38,7 +39,11 @@ class Stats:
 
 
 class InFlightTable:
-    """Every request this worker owns, from accept until its final is written and acked."""
+    """Every request this worker owns, from accept until its final is written and acked.
+
+    The table owns its dict: a request comes in with `add` (intake) and leaves with `finished`
+    (its final is written and acked), `drop` (another worker took it over) or `remove` (handed
+    back); everyone else reads through the methods below, or `view` (read-only, live)."""
 
     def __init__(self, engine: EngineClient, *, capacity: int, queue_depth: int, stats: Stats,
                  on_finished: Callable[[InFlight], None] = lambda st: None):
@@ -47,15 +52,39 @@ class InFlightTable:
         self.capacity = capacity            # the engine's running batch
         self.queue_depth = queue_depth      # queued in the engine beyond it
         self.stats = stats
-        self.requests: dict[str, InFlight] = {}
-        self.capacity_event = asyncio.Event()   # set whenever room may have opened (or we stop)
+        self._requests: dict[str, InFlight] = {}
+        # rid -> request, read-only and live: what the output writer routes outputs to and writes
+        self.view: Mapping[str, InFlight] = MappingProxyType(self._requests)
+        self._room = asyncio.Event()   # set whenever room may have opened (or we stop)
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def get(self, rid: str) -> InFlight | None:
+        return self._requests.get(rid)
+
+    def states(self) -> list[InFlight]:
+        """A snapshot of every request here (safe to iterate while the table changes)."""
+        return list(self._requests.values())
+
+    def entry_ids(self) -> set[str]:
+        """The request-stream entries of the requests here."""
+        return {st.entry_id for st in self._requests.values()}
 
     def holds(self, st: InFlight) -> bool:
-        return self.requests.get(st.rid) is st
+        return self._requests.get(st.rid) is st
+
+    def running(self) -> list[InFlight]:
+        """Requests the engine is still working on (the others only wait for their last write)."""
+        return [st for st in self._requests.values() if not st.engine_done]
 
     def running_count(self) -> int:
-        """Requests the engine is still working on (the others only wait for their last write)."""
-        return sum(1 for st in self.requests.values() if not st.engine_done)
+        return sum(1 for st in self._requests.values() if not st.engine_done)
 
     @property
     def unhealthy(self) -> str:
@@ -72,7 +101,24 @@ class InFlightTable:
         return self.capacity + self.queue_depth - self.running_count()
 
     def wake(self) -> None:
-        self.capacity_event.set()
+        self._room.set()
+
+    async def wait_for_room(self) -> None:
+        """Return once room may have opened (a request left, or we stop); at once if there is room."""
+        self._room.clear()
+        if self.free_slots() <= 0:
+            await self._room.wait()
+
+    # ---- coming and going -------------------------------------------------------------------
+
+    def add(self, st: InFlight) -> None:
+        """rid is ours now (taken, to run or only to finish): here until it leaves by one of
+        the ways below."""
+        self._requests[st.rid] = st
+
+    def remove(self, rids: Iterable[str]) -> list[InFlight]:
+        """Handed back (drain, a dead engine): they leave without a final; returns those that were here."""
+        return [self._requests.pop(rid) for rid in rids if rid in self._requests]
 
     # ---- the output writer's callbacks -------------------------------------------------------
 
@@ -80,7 +126,7 @@ class InFlightTable:
         """Their final is in history and their entry acked: they leave the table."""
         for st in done:
             if self.holds(st):
-                del self.requests[st.rid]
+                del self._requests[st.rid]
                 self.stats.finished += 1
                 self.on_finished(st)
                 log.debug("request %s finished here: %s, %d tokens", st.rid, st.finish_reason or "ended",
@@ -92,7 +138,7 @@ class InFlightTable:
         saw it): forget it here without a final and without an ack; the engine stops it silently."""
         st.fenced = True
         if self.holds(st):
-            del self.requests[st.rid]
+            del self._requests[st.rid]
             self.stats.dropped += 1
             if not st.engine_done:
                 self.engine.submit(Cancel(st.rid, silent=True))

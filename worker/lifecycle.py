@@ -20,6 +20,7 @@ from worker import registry
 from worker.engine_client import Cancel, EngineClient
 from worker.inflight import InFlightTable, Stats
 from worker.intake import Intake
+from worker.leases import Leases
 from worker.output_writer import OutputWriter
 from worker.redis_io import Backoff, with_backoff
 
@@ -28,8 +29,8 @@ log = logging.getLogger("worker.lifecycle")
 
 class Lifecycle:
     def __init__(self, *, redis, keys: Keys, settings: Settings, worker_id: str, table: InFlightTable,
-                 engine: EngineClient, writer: OutputWriter, intake: Intake, stats: Stats, stop: asyncio.Event,
-                 model_name: str = ""):
+                 engine: EngineClient, writer: OutputWriter, intake: Intake, leases: Leases, stats: Stats,
+                 stop: asyncio.Event, model_name: str = ""):
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -38,6 +39,7 @@ class Lifecycle:
         self.engine = engine
         self.writer = writer
         self.intake = intake
+        self.leases = leases
         self.stats = stats
         self.stop = stop
         self.model_name = model_name
@@ -92,7 +94,7 @@ class Lifecycle:
             await asyncio.sleep(interval)
             if not self.engine.is_alive() and not self.stopping():
                 # never advertise capacity we cannot serve: hand everything back and exit non-zero
-                log.critical("the engine died; handing back %d requests and exiting", len(self.table.requests))
+                log.critical("the engine died; handing back %d requests and exiting", len(self.table))
                 self.fatal = True
                 self.grace_s = 0.0
                 self.request_stop()
@@ -109,7 +111,7 @@ class Lifecycle:
         deadline = time.monotonic() + self.grace_s
         while self.table.running_count() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        running = [rid for rid, st in self.table.requests.items() if not st.engine_done]
+        running = [st.rid for st in self.table.running()]
         if running:
             await self.hand_back(running)
         try:   # entries we were waiting on (another worker's lease): claimable by others at once
@@ -126,7 +128,7 @@ class Lifecycle:
     async def _flush(self, what: str) -> None:
         try:
             await asyncio.wait_for(with_backoff(lambda: self.writer.flush_all(self.engine.take_outputs,
-                                                                              self.table.requests), what), 10)
+                                                                              self.table.view), what), 10)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             log.warning("could not %s (redis down)", what)
 
@@ -143,8 +145,8 @@ class Lifecycle:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)
         await self._flush("write outputs before handing back")
-        states = [self.table.requests.pop(rid) for rid in rids if rid in self.table.requests]
+        states = self.table.remove(rids)
         if not states:
             return
-        await self.intake.release_entries([st.entry_id for st in states], states)
+        await self.leases.hand_back([st.entry_id for st in states], states)
         log.info("handed back %d requests: %s", len(states), [st.rid for st in states])

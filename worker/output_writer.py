@@ -65,7 +65,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptEr
 from shared.config import Settings
 from shared.aio import wait_event
 from shared.errors import ErrorCode
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, encode_attach_marker, pack_event_list
+from shared.events import AttachMarker
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, pack_event_list
 from shared.logs import rid_of
 from worker.engine import StepOutput
 from worker.events import InFlight
@@ -385,7 +386,7 @@ class OutputWriter:
 
     async def attach_unknown(self, rid: str, gw: str, att: int) -> None:
         """This worker does not hold rid: tell the gateway to read the history to its end."""
-        await self.to_inbox(gw, encode_attach_marker(rid, None, 0, att))
+        await self.to_inbox(gw, AttachMarker(rid, None, 0, att).encode())
 
     async def to_inbox(self, gw: str, event: bytes) -> None:
         """One event straight to gateway `gw`'s inbox, outside the flush (an attach marker for
@@ -403,7 +404,7 @@ class OutputWriter:
 def queued_outputs(states: dict[str, InFlight]) -> int:
     """Tokens and events waiting to be written (bounded like the engine's output buffer, so a
     long Redis outage pauses the engine instead of growing memory)."""
-    return sum(len(st.pending_ids) + len(st.unsent) for st in states.values())
+    return sum(len(st.pending.ids) + len(st.unsent) for st in states.values())
 
 
 def route(outputs: list[StepOutput], states: dict[str, InFlight]) -> None:

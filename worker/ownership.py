@@ -5,7 +5,7 @@ worker may run it at a time, and that has to hold when workers pause (SIGSTOP, a
 freeze), die, or get an entry delivered that another worker has since claimed. The decision is
 one Lua script on the request's slot `{r:rid}`, with Redis's own clock (`TIME`), so worker
 clocks never matter. Meta ownership is the single source of truth; the consumer group's
-pending list (PEL) follows it (worker.intake's keep-fresh).
+pending list (PEL) follows it (worker.leases' keep-fresh).
 
 * take (`TAKE`): a worker becomes the owner only if the request is unowned, already its own,
   or its owner's lease has lapsed; then, in the same script, it sets `owner` and a new lease,
@@ -36,7 +36,8 @@ from typing import Iterable
 from redis.exceptions import ConnectionError as RedisConnectionError, NoScriptError
 
 from shared.config import Settings
-from shared.streams import ENTRY_FIELD, Keys, as_str, decode_event
+from shared.events import HistoryEvent, decode_event
+from shared.streams import ENTRY_FIELD, Keys, as_str
 from worker.events import InFlight
 from worker.redis_io import TRANSIENT
 
@@ -99,7 +100,7 @@ class Taken:
     gw: str                  # meta.gw: where live events go
     att: int                 # meta.att: > 0 once someone resumed it (an attach marker goes first)
     cancelled: bool
-    history: list[dict]      # its events, oldest first (only the last one unless the whole was asked for)
+    history: list[HistoryEvent]   # its events, oldest first (only the last one unless the whole was asked for)
 
 
 @dataclass
@@ -116,7 +117,7 @@ class Finished:
 
 
 def keep_fresh_interval(settings: Settings) -> float:
-    """How often an owner refreshes its entries and leases (worker.intake's keep-fresh)."""
+    """How often an owner refreshes its entries and leases (worker.leases' keep-fresh)."""
     return max(0.1, min(settings.worker_heartbeat_s, settings.claim_idle_ms / 3000))
 
 
@@ -155,7 +156,7 @@ class Ownership:
         _, epoch, meta_gw, att, cancelled, raw_history = reply
         return Taken(epoch=int(epoch), gw=as_str(meta_gw) if meta_gw else "", att=int(att or 0),
                      cancelled=bool(cancelled),
-                     history=[_event(entry) for entry in raw_history])
+                     history=[ev for ev in map(_event, raw_history) if ev is not None])
 
     async def keep(self, states: list[InFlight]) -> list[int]:
         """One keep-fresh round for `states`: per request -1 (taken over: its epoch moved on),
@@ -205,8 +206,9 @@ class Ownership:
         raise RedisConnectionError("the ownership scripts keep disappearing from Redis (restarting?)")
 
 
-def _event(entry: list) -> dict:
-    """A history entry as a script returns it ([id, [field, value, ...]]) -> its event."""
+def _event(entry: list) -> HistoryEvent | None:
+    """A history entry as a script returns it ([id, [field, value, ...]]) -> its event (None: a
+    kind this version does not know)."""
     fields = entry[1]
     for i in range(0, len(fields) - 1, 2):
         if as_str(fields[i]) == ENTRY_FIELD.decode():

@@ -26,7 +26,7 @@ def registry_fields(*, capacity: int, running: int, waiting: int, in_flight: int
         "preemptions": preemptions,   # requests whose KV blocks were taken back to recompute (total)
         # ownership (totals): writes refused because another worker had taken the request over,
         # requests dropped for that reason, and entries delivered to us that we left to their
-        # live owner (worker.intake); a healthy fleet keeps the first two at 0
+        # live owner (worker.intake.contests); a healthy fleet keeps the first two at 0
         "fenced": fenced, "dropped": dropped, "yielded": yielded,
         "heartbeat_ms": int(time.time() * 1000),
     }
@@ -40,7 +40,7 @@ async def heartbeat(redis: aioredis.Redis, keys: Keys, worker_id: str, fields: d
         pipe.pexpire(keys.worker(worker_id), int(ttl_s * 1000))
         pipe.zadd(keys.workers, {worker_id: now_ms})
         # (silent workers leave the zset when a survivor has claimed their entries:
-        # worker.intake.claim_dead_workers -> forget_dead)
+        # worker.intake.claims.Claims.claim_dead_workers -> forget_dead)
         await pipe.execute()
 
 

@@ -1,11 +1,14 @@
 """The worker process's Redis side around the engine: builds the parts, each given what it uses, and runs them.
 
 Where to look (one concern a file):
-* worker.intake        — reading, claiming and keeping request entries (ownership, dead letters)
+* worker.intake        — taking work in: reading, claiming, taking ownership (the epoch fences),
+                         routing hand-overs, contested entries, dead letters (one module a concern)
+* worker.ownership     — who runs a request: the take / keep / release scripts
+* worker.leases        — keeping what we own fresh (keep-fresh), and handing it back
 * worker.output_writer — every output write and the one commit that ends a request (coalescing)
 * worker.control       — cancel / attach messages from gateways
 * worker.lifecycle     — heartbeat, drain, hand back, supervised loops
-* worker.inflight      — the requests this worker runs (shared by the four above) and its counters
+* worker.inflight      — the requests this worker runs (shared by the parts above) and its counters
 * worker.engine_client — the engine interface: worker.engine_thread (a thread) or
                          worker.engine_process (a child process, the default)
 
@@ -36,9 +39,11 @@ from worker.control import Control
 from worker.engine_client import EngineClient
 from worker.inflight import InFlightTable, Stats
 from worker.intake import Intake
+from worker.leases import Leases
 from worker.lifecycle import Lifecycle
 from worker.metrics import WorkerMetrics
 from worker.output_writer import OutputWriter
+from worker.ownership import Ownership
 from worker.redis_io import REDIS_ERRORS, RedisClients, with_backoff
 
 log = logging.getLogger("worker.service")
@@ -69,14 +74,17 @@ class WorkerService:
                                            stats=stats, on_finished=metrics.request_finished)
         self.writer = writer = OutputWriter(self.redis.output, keys, s, worker_id, on_give_up=table.give_up,
                                             on_done=table.finished, on_fenced=table.drop, on_commit=metrics.commit)
+        ownership = Ownership(self.redis.main, keys, s, worker_id)
+        self.leases = leases = Leases(redis=self.redis.main, keys=keys, settings=s, worker_id=worker_id,
+                                      ownership=ownership, table=table, engine=engine, stats=stats)
         self.intake = Intake(redis=self.redis.main, blocking_redis=self.redis.intake, keys=keys, settings=s,
                              worker_id=worker_id, table=table, engine=engine, writer=writer, stats=stats,
-                             stop=self.stop)
+                             stop=self.stop, ownership=ownership, leases=leases)
         self.control = Control(blocking_redis=self.redis.control, keys=keys, worker_id=worker_id, table=table,
                                engine=engine, writer=writer, on_take=self.intake.take_forwarded)
         self.lifecycle = Lifecycle(redis=self.redis.main, keys=keys, settings=s, worker_id=worker_id, table=table,
-                                   engine=engine, writer=writer, intake=self.intake, stats=stats, stop=self.stop,
-                                   model_name=model_name)
+                                   engine=engine, writer=writer, intake=self.intake, leases=leases, stats=stats,
+                                   stop=self.stop, model_name=model_name)
 
     @property
     def fatal(self) -> bool:
@@ -118,13 +126,13 @@ class WorkerService:
         supervised = self.lifecycle.supervised
 
         async def write() -> None:
-            await with_backoff(lambda: self.writer.run(self.engine.take_outputs, self.table.requests,
+            await with_backoff(lambda: self.writer.run(self.engine.take_outputs, self.table.view,
                                                        self.outputs_event), "write outputs")
         tasks = [asyncio.create_task(supervised(name, fn), name=name) for name, fn in (
             ("writer", write), ("control", self.control.loop), ("heartbeat", self.lifecycle.heartbeat_loop),
-            ("keep-fresh", self.intake.keep_fresh_loop), ("metrics", self.pump_metrics),
+            ("keep-fresh", self.leases.keep_fresh_loop), ("metrics", self.pump_metrics),
         )]
-        feeders = [asyncio.create_task(supervised("intake", self.intake.intake_loop), name="intake"),
+        feeders = [asyncio.create_task(supervised("intake", self.intake.read_loop), name="intake"),
                    asyncio.create_task(supervised("claimer", self.intake.claim_loop), name="claimer")]
         try:
             await self.stop.wait()

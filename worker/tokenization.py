@@ -6,7 +6,7 @@ The gateway has no tokenizer (no torch or transformers in its image). It appends
 or `detokenize` entry (shared.streams.encode_tokenize) with a one-shot reply id to one live
 worker's control stream; worker.control hands it to the engine client (`EngineClient.tokenize`:
 a thread of its own beside the engine's step loop, in the engine process by default) and
-appends the answer to the gateway's inbox as a `tokr` event for that reply id.
+appends the answer to the gateway's inbox as a `tokr` event for that reply id (shared.events.TokenizeReply).
 
 `answer` runs on that thread; it never raises: a refusal is `{"error": {code, message, param}}`.
 """
@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 
 from shared.errors import ErrorCode
+from shared.events import ReplyError
 from worker.engine.prompts import build_prompt_ids
 
 log = logging.getLogger("worker.tokenization")
 
 
 def refusal(code: ErrorCode, message: str, param: str | None = None) -> dict:
-    return {"error": {"code": code.value, "message": message[:500], "param": param}}
+    return {"error": ReplyError(code.value, message[:500], param).to_map()}
 
 
 def answer(tokenizer, request: dict, max_model_len: int) -> dict:

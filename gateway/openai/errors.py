@@ -10,7 +10,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from gateway.openai import structured
 from shared.errors import ErrorCode
 from shared.protocol import Done
 
@@ -77,7 +76,7 @@ def done_error(done: Done) -> APIError | None:
     if done.finish_reason == "error":
         err = done.error or {}
         error = APIError.from_code(err.get("code", "internal"), err.get("message", ""))
-        error.param = structured.refusal_param(error.code, error.message)
+        error.param = err.get("param")
         return error
     if done.finish_reason == "cancelled":
         return APIError(410, f"the request was cancelled (its client disconnected or cancelled it) after "

@@ -20,6 +20,7 @@ from gateway.openai.session import HttpSession
 from gateway.request_core import RequestCore
 from gateway.settings import GatewaySettings
 from shared.errors import ProtocolError
+from shared.events import TokenizeReply
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class HttpFront:
     settings: GatewaySettings
     metrics: GatewayMetrics
     http_session: Callable[[], HttpSession]             # a new session (request table, sender, watchdogs)
-    ask_worker: Callable[[str, dict], Awaitable[dict]]  # one request/reply with a live worker (tokenize)
+    ask_worker: Callable[[str, dict], Awaitable[TokenizeReply]]  # a request/reply with a live worker (tokenize)
     responses: ResponseStore                            # stored Responses API responses
 
     @staticmethod

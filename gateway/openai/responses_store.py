@@ -21,6 +21,7 @@ from gateway.auth import may_resume
 from gateway.frames import token_logprob
 from gateway.openai.response_events import ResponseEvents
 from gateway.submit import Submitter
+from shared.events import ErrEvent, HistoryEvent, TokEvent
 from shared.streams import META_EPOCH, Keys, as_str
 
 PREFIX = "resp_"
@@ -42,17 +43,17 @@ class Stored:
         return ResponseEvents(self.base, tool_mode=self.mode, logprobs=self.logprobs)
 
 
-def feed(events: ResponseEvents, ev: dict) -> list[dict]:
-    """One history event (shared.streams: `tok`, `done`, `err`) into the event sequence."""
-    if ev.get("k") == "tok":
-        lp = [token_logprob(e).model_dump(exclude={"text_offset"}) for e in ev["lp"]] if ev.get("lp") else None
-        return events.text(ev.get("text") or "", lp)
-    usage = ev.get("usage") or {}
-    if ev.get("k") == "err":
-        return events.finish("error", error={"code": ev.get("code"), "message": ev.get("message")})
-    return events.finish(ev.get("finish_reason") or "stop", prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                         completion_tokens=int(usage.get("completion_tokens") or 0),
-                         cached_tokens=int(usage.get("cached_tokens") or 0))
+def feed(events: ResponseEvents, ev: HistoryEvent) -> list[dict]:
+    """One history event (shared.events: tokens, or the final) into the event sequence. A final's
+    own `text` is left out, as the live path (gateway.requests) leaves it out."""
+    if isinstance(ev, TokEvent):
+        lp = [token_logprob(e).model_dump(exclude={"text_offset"}) for e in ev.logprobs] if ev.logprobs else None
+        return events.text(ev.text or "", lp)
+    if isinstance(ev, ErrEvent):
+        return events.finish("error", error={"code": ev.code, "message": ev.message})
+    u = ev.usage
+    return events.finish(ev.finish_reason or "stop", prompt_tokens=u.prompt_tokens if u else 0,
+                         completion_tokens=u.completion_tokens if u else 0, cached_tokens=u.cached_tokens if u else 0)
 
 
 class ResponseStore:

@@ -56,7 +56,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         try:
             msg = parse_client_message({"type": "generate", "id": prefix + rid, **fields})
         except ProtocolError as exc:
-            param = "Idempotency-Key" if "idempotency_key" in exc.message else None
+            param = "Idempotency-Key" if exc.param == "idempotency_key" else None
             raise APIError(400, exc.message, code=exc.code.value, param=param) from None
         session = front.http_session()
         try:

@@ -3,8 +3,8 @@
 and `tool_calls` out (message, deltas, `finish_reason: "tool_calls"`), read by gateway.openai.tool_calls.
 
 The engine refuses what it cannot compile (a schema xgrammar rejects): that comes back before
-any token as `invalid_request` with a message starting "response_format:", which
-`refusal_param` turns into `param: "response_format"`.
+any token as `invalid_request` whose `param` is "response_format" (set where the engine raises
+it, carried by the worker's `err` event: shared.events.ErrEvent).
 """
 
 from __future__ import annotations
@@ -113,9 +113,3 @@ def message(parser: ToolCallParser | None, text: str) -> dict:
     content += rest
     calls = parser.tool_calls()
     return {"role": "assistant", "content": content or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
-
-
-def refusal_param(code: str | None, message_text: str) -> str | None:
-    """The parameter a worker's refusal is about (a schema the engine could not compile)."""
-    return RESPONSE_FORMAT if code == "invalid_request" and message_text.startswith(RESPONSE_FORMAT + ":") else None
-

@@ -39,6 +39,7 @@ from gateway.openai.schema import _chat_messages, json_object, validated
 from gateway.router import Router
 from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
+from shared.events import TokenizeReply
 from shared.protocol import parse_client_message
 from shared.streams import encode_tokenize
 
@@ -115,7 +116,7 @@ class WorkerAsk:
         self.submitter = submitter
         self.gw_id = gw_id
 
-    async def __call__(self, kind: str, fields: dict) -> dict:
+    async def __call__(self, kind: str, fields: dict) -> TokenizeReply:
         """One request/reply with a live worker (this module's docstring); its answer, or APIError."""
         reply_id = "tok-" + secrets.token_hex(16)
         replied: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -140,10 +141,9 @@ class WorkerAsk:
             raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
         finally:
             self.reader.unsubscribe(sub)
-        error = answer.get("error")
-        if isinstance(error, dict):
-            exc = APIError.from_code(error.get("code", "internal"), str(error.get("message", "")))
-            exc.param = error.get("param")
+        if answer.error is not None:
+            exc = APIError.from_code(answer.error.code, answer.error.message)
+            exc.param = answer.error.param
             raise exc
         return answer
 
@@ -159,9 +159,9 @@ async def tokenize(request: Request) -> Response:
         answer = await front.ask_worker("tokenize", tokenize_fields(body, front.settings.max_prompt_chars))
     except APIError as exc:
         return exc.response()
-    tokens = list(answer["tokens"])
-    strs = answer.get("token_strs")
-    return JSONResponse({"count": len(tokens), "max_model_len": answer["max_model_len"], "tokens": tokens,
+    tokens = list(answer.tokens or ())
+    strs = answer.token_strs
+    return JSONResponse({"count": len(tokens), "max_model_len": answer.max_model_len, "tokens": tokens,
                          "token_strs": list(strs) if strs is not None else None})
 
 
@@ -183,7 +183,7 @@ async def detokenize(request: Request) -> Response:
         answer = await front.ask_worker("detokenize", {"tokens": body.tokens})
     except APIError as exc:
         return exc.response()
-    return JSONResponse({"prompt": answer["prompt"]})
+    return JSONResponse({"prompt": answer.prompt})
 
 
 ROUTES = [

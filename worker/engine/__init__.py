@@ -1,9 +1,16 @@
 """Continuous-batching inference engine (paged KV cache with recompute preemption and prefix caching, chunked prefill, two lanes with aging).
 
-Modules: `engine` (public API, per-request updates), `scheduler` (what runs each step),
-`runner` (one forward pass + sampling), `decoder` (the forward loop over the model's own modules, fused projections), `attention` (paged attention plugged into transformers), `paged_attention` (the CUDA kernel: every token reads its blocks in place), `cuda_graphs` (decode steps replayed as graphs),
-`kv_cache`, `block_pool` (who holds which block; prefix caching), `sampling`, `logprobs` (for the requests that ask), `detokenize`, `sequence` (per-request state), `types` (requests in, outputs out), `prompts`, `model_support` (which
-models are accepted), `host_lists` (per-row lists to tensors), `config`, `loading`.
+Modules: `engine` (public API, per-token outputs), `scheduler` (what runs each step, and the
+update after it), `kv_cache_manager` (the blocks each request holds; prefix cache hits),
+`block_pool` (who holds which block; content names), `kv_cache` (the KV memory), `runner` (one
+forward pass + sampling), `input_batch` (the runner's per-row state), `decoder` (the forward loop
+over the model's own modules, fused projections), `attention` (paged attention plugged into
+transformers), `paged_attention` (the CUDA kernel: every token reads its blocks in place),
+`cuda_graphs` (decode steps replayed as graphs), `sampling`, `logprobs` (for the requests that
+ask), `grammar` (structured output), `detokenize`, `sequence` (per-request state), `types`
+(requests in, outputs out), `prompts`, `model_support` (which models are accepted), `host_lists`
+(per-row lists to tensors), `config`, `loading`, `model_files` (where weights come from),
+`quantize` and `cpu_kernels` (4-bit weights on CPUs), `threads` (torch threads).
 
 The worker owns one `Engine` in a dedicated thread (of its engine process, worker.engine_process): `add`/`cancel` between steps, `step()` in a
 loop while `has_work`.

@@ -40,7 +40,7 @@ def settings_quantization(settings, device: str) -> str:
     if not device.startswith("cpu") or settings.dtype != "auto":
         return "none"
     from worker.engine.quantize import gguf_is_int4_exact, native_bf16_cpu
-    from worker.model_files import resolve_model
+    from worker.engine.model_files import resolve_model
     if not native_bf16_cpu():
         return "none"
     directory, gguf_file = resolve_model(settings.model_path, settings.model_gguf_file)

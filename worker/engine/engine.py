@@ -4,21 +4,23 @@
 One `step()` has three parts, each in its own module: the `Scheduler` decides which requests run
 and how many tokens each gets (every decoding request one token, prompt chunks of at most
 `prefill_chunk` tokens in lane order: chunked prefill keeps running streams getting a token
-every step); the `ModelRunner` executes that plan in one forward pass and samples; the engine
-then updates each request from its sampled token (detokenize, stop strings, finish) and returns
-what each request produced. Every request the engine holds ends with exactly one final output,
-whatever raises: a failed forward pass fails the requests in it, a failure while handling one
-request's token fails that request only. The engine is single-threaded by design: its owner
-calls add/cancel/step from one thread.
+every step), asking the `KVCacheManager` for their blocks; the `ModelRunner` executes that plan
+in one forward pass and samples, over its `InputBatch` of per-row state; then the scheduler
+advances each request (`update_from_output`: computed tokens, published blocks, the sampled
+token appended) and the engine turns each sampled token into what the request produced
+(detokenize, stop strings, finish, logprobs). Every request the engine holds ends with exactly
+one final output, whatever raises: a failed forward pass fails the requests in it, a failure
+while handling one request's token fails that request only. The engine is single-threaded by
+design: its owner calls add/cancel/step from one thread.
 
-Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py, scheduler.py): KV
-blocks of earlier requests' contexts stay in the pool after they end and a request whose context
-starts the same way takes them instead of computing them. Each output reports the prompt tokens
-its request took from the cache (`StepOutput.cached_tokens`), and the engine keeps the hit rate
-(`prefix_cache_queries` / `prefix_cache_hits`). It is exact for every family the engine accepts,
-sliding windows included: a block's KV depends only on the tokens up to it, and the engine keeps
-every block of a context (a window only masks what attention reads), so a shared block holds
-what the request would have computed itself.
+Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py,
+kv_cache_manager.py): KV blocks of earlier requests' contexts stay in the pool after they end
+and a request whose context starts the same way takes them instead of computing them. Each
+output reports the prompt tokens its request took from the cache (`StepOutput.cached_tokens`),
+and the engine keeps the hit rate (`prefix_cache_queries` / `prefix_cache_hits`). It is exact
+for every family the engine accepts, sliding windows included: a block's KV depends only on the
+tokens up to it, and the engine keeps every block of a context (a window only masks what
+attention reads), so a shared block holds what the request would have computed itself.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.grammar import GrammarError, Grammars
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
+from worker.engine.kv_cache_manager import KVCacheManager
 from worker.engine.logprobs import TokenText, entry as logprob_entry
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
@@ -86,16 +89,18 @@ class Engine:
         if config.prefix_caching:
             log.info("prefix caching on: %d KV blocks of %d tokens, cached blocks reused for new tokens "
                      "least recently used first", self.cache.num_blocks, config.kv_block_size)
-        self.scheduler = Scheduler(self.cache, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
+        self.kv = KVCacheManager(self.cache.pool, config.kv_block_size)
+        self.scheduler = Scheduler(self.kv, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self._logits_width = model.get_output_embeddings().out_features   # a seeded token's noise
+        # compiles requests' grammars here, applies their masks in the runner (stop ids read at
+        # the first compile, from the runner's eos_ids)
+        self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.eos_ids, config.max_batch, self.device)
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
                                   max_positions=config.max_seq_len, device=self.device,
-                                  dtype=config.dtype, cuda_graphs=config.cuda_graphs)
+                                  dtype=config.dtype, cuda_graphs=config.cuda_graphs, grammars=self.grammars)
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self._logits_width = model.get_output_embeddings().out_features   # a seeded token's noise
-        self.runner.grammars = self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.runner.eos_ids,
-                                                        config.max_batch, self.device)
         self._by_rid: dict[str, Sequence] = {}
         self._token_text = TokenText(tokenizer)   # logprobs: tokens as text
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
@@ -155,12 +160,12 @@ class Engine:
     @property
     def prefix_cache_queries(self) -> int:
         """Context tokens of requests admitted for the first time (total): the hit rate's denominator."""
-        return self.scheduler.prefix_queries
+        return self.kv.prefix_queries
 
     @property
     def prefix_cache_hits(self) -> int:
         """Of `prefix_cache_queries`, the tokens taken from the prefix cache instead of computed (total)."""
-        return self.scheduler.prefix_hits
+        return self.kv.prefix_hits
 
     @property
     def max_model_len(self) -> int:
@@ -200,7 +205,8 @@ class Engine:
             try:
                 matcher = self.grammars.matcher(p.grammar)
             except GrammarError as exc:
-                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}") from None
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}",
+                                     param="response_format") from None
             # a continuation: the grammar is where the delivered tokens left it
             if not all(matcher.accept(token) for token in req.generated_ids):
                 raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
@@ -209,10 +215,7 @@ class Engine:
                        tokens=context, cache_root=prefix_root(self._cache_root, req.cache_salt)
                        if req.cache_salt else self._cache_root, grammar=matcher)
         self._arrivals += 1
-        if matcher is not None:
-            self.grammars.constrained += 1
         if seq.top_logprobs >= 0:
-            self.runner.logprobs.asking += 1
             seq.text_offset = self._token_text.length(req.generated_ids)
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
@@ -246,13 +249,13 @@ class Engine:
             log.exception("engine scheduling failed")
             self._fail(list(self._by_rid.values()), f"engine scheduling failed: {exc}")
             return self._take_finals()
-        if plan.empty:
-            return self._take_finals()
         try:
-            tokens = self.runner.execute(plan)
+            tokens = self.runner.execute(plan)   # an empty plan too: its requests' rows change
         except Exception as exc:  # e.g. CUDA OOM: fail this step's requests, keep the engine alive
             log.exception("engine step failed")
             self._fail(plan.scheduled, f"engine step failed: {exc}")
+            return self._take_finals()
+        if plan.empty:
             return self._take_finals()
         prompt_tokens = 0
         for seq, n in plan.prefill:   # O(prompt rows): the rows that can be newly admitted
@@ -265,13 +268,9 @@ class Engine:
     # ---- internals --------------------------------------------------------------------
 
     def _update(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
-        """Advance each scheduled request past the computed tokens and handle sampled ones."""
-        for seq in plan.decode:
-            seq.computed += 1
-        for seq, n in plan.prefill:
-            seq.computed += n
-        if self.scheduler.caching:
-            self.scheduler.cache_computed(plan)
+        """The scheduler advances each scheduled request (computed tokens, published blocks,
+        sampled tokens appended); then each sampled token becomes its request's output."""
+        self.scheduler.update_from_output(plan, tokens)
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
         logprobs = self.runner.last_logprobs
@@ -303,9 +302,8 @@ class Engine:
         return None
 
     def _on_token(self, seq: Sequence, token: int, now_ms: int) -> StepOutput | None:
-        """One sampled token: its text, whether it ends the request, and what to report."""
-        seq.tokens.append(token)
-        seq.new_tokens += 1
+        """One sampled token (already appended to the request's context): its text, whether it
+        ends the request, and what to report."""
         eos = self._ends(seq, token)
         if seq.grammar is not None and not eos and not seq.grammar.accept(token):
             raise RuntimeError(f"sampled token {token} breaks the request's grammar")
@@ -343,11 +341,8 @@ class Engine:
     def _forget(self, seq: Sequence) -> None:
         """The request leaves the engine: its KV blocks are free (exactly once)."""
         seq.finished = True
-        if seq.grammar is not None:
-            self.grammars.constrained -= 1
-        if seq.top_logprobs >= 0:
-            self.runner.logprobs.asking -= 1
         self.scheduler.remove(seq)
+        self.runner.remove(seq)
         self._by_rid.pop(seq.rid, None)
 
     def _take_finals(self) -> list[StepOutput]:

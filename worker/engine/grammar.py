@@ -4,9 +4,9 @@ A request whose `SamplingParams.grammar` is set gets a matcher (xgrammar's `Gram
 when it joins the engine. Before each of its sampled tokens the matcher fills the row's token
 bitmask on the host (one bit per vocabulary token: may it come next?), the masks of the step's
 constrained rows go to the device in one copy, and the disallowed logits of those rows only are
-set to -inf before sampling (`apply_masks`). The engine counts the requests it holds that are
-constrained (`Grammars.constrained`); while none is, a step does nothing here (one integer test).
-The matcher advances with each sampled token (`accept`); when the grammar is complete the
+set to -inf before sampling (`apply_masks`). The runner's batch counts its rows that are
+constrained (`InputBatch.num_constrained`); while none is, a step does nothing here (one integer
+test). The matcher advances with each sampled token (`accept`); when the grammar is complete the
 request finishes with `stop`, without waiting for an EOS token.
 
 The matcher's state is a function of the generated tokens alone, so it needs nothing to survive
@@ -76,7 +76,6 @@ class Grammars:
         self._vocab = vocab            # the logits' width (may exceed the tokenizer's vocabulary)
         self._eos_ids = eos_ids
         self._device = device
-        self.constrained = 0           # requests held by the engine that have a grammar (kept by the engine)
         self._compiler = None
         self._clean: torch.Tensor | None = None   # bitmask words: every token but those with control bytes
         words = (vocab + 31) // 32
@@ -130,26 +129,20 @@ class Grammars:
         masks = host.to(self._device, non_blocking=True)
         return ((masks.unsqueeze(-1) >> self._shifts) & 1).view(k, -1)[:, :vocab].bool()
 
-    def apply_masks(self, logits: torch.Tensor, sampled: list) -> None:
-        """Set the logits of tokens each constrained row's grammar forbids to -inf (`logits`
-        [R, V] holds the rows of `sampled`, the step's `Sequence`s, in order). While the engine
-        holds no constrained request this returns at once; otherwise after one scan of the list."""
-        if not self.constrained:
-            return
-        rows = [i for i, seq in enumerate(sampled) if seq.grammar is not None]
-        if not rows:
-            return
+    def apply_masks(self, logits: torch.Tensor, rows: np.ndarray, matchers: list[Matcher]) -> None:
+        """Set the logits of tokens each constrained row's grammar forbids to -inf: `rows` are
+        the constrained rows of `logits` [R, V] (ascending), `matchers` their matchers."""
         k = len(rows)
         host = self._host[:k]
         host.fill_(0)
-        for j, i in enumerate(rows):
-            sampled[i].grammar.fill(host, j)
+        for j, matcher in enumerate(matchers):
+            matcher.fill(host, j)
         host &= self._clean
         allowed = self._allowed(host, logits.shape[-1])
         if k == logits.shape[0]:
             logits.masked_fill_(~allowed, float("-inf"))
             return
-        idx = long_tensor(np.array(rows), logits.device)
+        idx = long_tensor(np.asarray(rows), logits.device)
         part = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, idx, part)
 

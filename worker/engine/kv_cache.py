@@ -10,7 +10,8 @@ tokens requests really hold (no request owns `max_seq_len` rows it may never fil
 the scheduler admit optimistically and preempt when the pool runs out.
 
 Which block is free, held or cached for a prefix is the `BlockPool`'s business (`pool`,
-block_pool.py); this module is the memory.
+block_pool.py), reached by the scheduler only through the `KVCacheManager`
+(kv_cache_manager.py); this module is the memory.
 """
 
 from __future__ import annotations

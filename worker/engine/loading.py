@@ -11,7 +11,7 @@ from worker.engine.config import resolve_device, settings_dtype, settings_quanti
 from worker.engine.quantize import quantize_int4
 from worker.engine.threads import apply_torch_threads
 from worker.engine.prompts import build_prompt_ids  # noqa: F401 (re-exported)
-from worker.model_files import resolve_model
+from worker.engine.model_files import resolve_model
 
 log = logging.getLogger("worker.engine")
 

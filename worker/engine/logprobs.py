@@ -7,16 +7,16 @@ scaling"), so a request's logprobs say what the model thinks, whatever it was sa
 Each token gets its own logprob (always, also when it is not among the top ones) and its row's
 `k` most likely tokens, most likely first.
 
-Cost only where asked. The engine counts the requests it holds that ask (`LogprobGather.asking`);
-while none does, a step does nothing here (one integer test). Otherwise the step reads each
-sampled row's `top_logprobs` (-1: none) once and, on the device, for the asking rows only (all
-of the step's logits when every row asks, else one `index_select`): a float32 logsumexp per row
-and the top-k of the raw logits (the same order as the logprobs), before the EOS mask is
-applied; after sampling, each asking row's sampled logit (never a masked one: a masked token is
-never sampled). No [rows, vocab] log-softmax is written: logprob = logit - logsumexp, on k + 1
-numbers a row (on a CPU at 64 rows of a 49k vocabulary, half the time of log_softmax + topk).
-The sampled tokens of the whole step and those numbers come back in ONE host transfer (token
-ids ride as float32, exact below 2**24).
+Cost only where asked. The runner's batch counts its rows that ask (`InputBatch.num_logprobs`);
+while none does, a step does nothing here (one integer test). Otherwise the step gathers the
+sampled rows' `top_logprobs` (-1: none) from the batch in one numpy index and, on the device,
+for the asking rows only (all of the step's logits when every row asks, else one
+`index_select`): a float32 logsumexp per row and the top-k of the raw logits (the same order as
+the logprobs), before the EOS mask is applied; after sampling, each asking row's sampled logit
+(never a masked one: a masked token is never sampled). No [rows, vocab] log-softmax is written:
+logprob = logit - logsumexp, on k + 1 numbers a row (on a CPU at 64 rows of a 49k vocabulary,
+half the time of log_softmax + topk). The sampled tokens of the whole step and those numbers
+come back in ONE host transfer (token ids ride as float32, exact below 2**24).
 
 Tokens as text (`TokenText`): each id decoded alone with special tokens kept, as vLLM does
 (`tokenizer.decode([id])`), memoised per id; a token that is part of a multi-byte character
@@ -49,17 +49,13 @@ class _Pending:
 
 
 class LogprobGather:
-    """The runner's part: which rows of a step ask, their logprobs from the step's logits, and
-    the one transfer that brings them (with the sampled tokens) to the host."""
+    """The runner's part: the asking rows' logprobs from a step's logits, and the one transfer
+    that brings them (with the sampled tokens) to the host."""
 
-    def __init__(self) -> None:
-        self.asking = 0       # requests held by the engine that ask (kept by the engine)
-
-    def prepare(self, logits: torch.Tensor, sampled) -> _Pending | None:
-        """Before sampling (and before the logits are masked): the asking rows' log-softmax."""
-        if not self.asking:
-            return None
-        ks = np.fromiter((seq.top_logprobs for seq in sampled), dtype=np.int64, count=len(sampled))
+    @staticmethod
+    def prepare(logits: torch.Tensor, ks: np.ndarray) -> _Pending | None:
+        """Before sampling (and before the logits are masked): the log-softmax of the rows that
+        ask (`ks`: each sampled row's top_logprobs, -1 for none); None when no row asks."""
         rows = np.flatnonzero(ks >= 0)
         if not len(rows):
             return None

@@ -1,21 +1,21 @@
 """Executing a `StepPlan`: pack its tokens into one sequence, run the decoder once, sample.
 
-The runner owns the model call and the per-step index tensors; it never changes request
-state (the engine does that from the sampled tokens; the runner only records in
-`Sequence.staged_blocks` which blocks its table already holds), so a failed forward pass leaves
-every request as it was. Input ids, positions, the KV pool rows each token writes and the
-attention inputs are staged in one host buffer allocated once (`max_batch + prefill_chunk`
-tokens) and copied to the device in one transfer (pinned and non-blocking on CUDA). Sampling
-parameters are kept per slot (`sampling.SamplingTable`, written when a request first samples
-from its slot): a step stages only the sampled rows' slots and gathers their parameters on the
-device, with no per-row lists of temperatures or generators.
+The runner owns the model call, the per-step index tensors and the per-row state of the running
+requests (`input_batch.InputBatch`: sampling parameters, grammar matchers, logprobs wants, block
+tables; rows taken and given back as the plan admits and preempts requests, and as the engine
+removes those that end). It never changes request state (the scheduler and the engine do that
+from the sampled tokens), so a failed forward pass leaves every request as it was. Input ids,
+positions, the KV pool rows each token writes and the attention inputs are staged in one host
+buffer allocated once (`max_batch + prefill_chunk` tokens) and copied to the device in one
+transfer (pinned and non-blocking on CUDA). A step stages only the sampled rows' indices and
+gathers their parameters on the device, with no per-row lists of temperatures or generators.
 
 On CUDA (with Triton) every token attends through the paged kernel (`paged_attention.py`), fed
-block tables kept per running request (row `Sequence.slot`, only new blocks written each step),
-and a step that only decodes replays a captured
-CUDA graph (`cuda_graphs.py`) of the smallest captured batch size that holds it, its extra rows
-padded onto the KV cache's scratch block. Elsewhere decode rows are cut into segments of similar
-length and prompt chunks attend one by one (`attention.py`).
+the batch's block tables (row `Sequence.slot`, only new blocks written each step), and a step
+that only decodes replays a captured CUDA graph (`cuda_graphs.py`) of the smallest captured batch
+size that holds it, its extra rows padded onto the KV cache's scratch block. Elsewhere decode
+rows are cut into segments of similar length and prompt chunks attend one by one
+(`attention.py`).
 """
 
 from __future__ import annotations
@@ -27,18 +27,22 @@ from worker.engine import paged_attention
 from worker.engine.attention import DecodeSegment, PrefillChunk, StepMeta, decode_segments
 from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from worker.engine.decoder import Decoder
+from worker.engine.grammar import Grammars
 from worker.engine.host_lists import long_tensor
+from worker.engine.input_batch import InputBatch
 from worker.engine.kv_cache import PagedKVCache, blocks_for
 from worker.engine.logprobs import LogprobGather
-from worker.engine.sampling import MASK_EOS, SamplingTable, sample
+from worker.engine.sampling import MASK_EOS, sample
 from worker.engine.scheduler import StepPlan
+from worker.engine.sequence import Sequence
 
 IDS, POSITIONS, ROWS, LENGTHS, TABLE_ROWS, SLOTS = range(6)   # rows of the staging buffers (SLOTS: sampled rows')
 
 
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, *, groups: int, max_batch: int, max_tokens: int,
-                 max_positions: int, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = True):
+                 max_positions: int, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = True,
+                 grammars: Grammars | None = None):
         self.decoder = Decoder(model, max_positions)
         self.cache = cache
         self.groups = groups
@@ -47,32 +51,22 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.seed()
         self.eos_ids: set[int] = set()  # masked for requests with ignore_eos
-        self.grammars = None   # worker.engine.grammar.Grammars, set by the engine
+        self.grammars = grammars        # structured output's masks (None: no request may have a grammar)
         pin = device.type == "cuda"
         # host staging: [ids, positions, pool rows, lengths, table rows] per token and the slots of
         # the sampled rows, copied to the device in one transfer
         self._host = torch.zeros(6, max_tokens, dtype=torch.long, pin_memory=pin)
         self._host_np = self._host.numpy()   # the same memory, filled from lists at numpy's speed
         self._dev = self._host if device.type == "cpu" else torch.zeros(6, max_tokens, dtype=torch.long, device=device)
-        self.sampling = SamplingTable(max_batch, device)   # per-slot sampling parameters
-        self.logprobs = LogprobGather()   # rows that ask for logprobs (nothing while none does)
+        self.logprobs = LogprobGather()
         self.last_logprobs: list | None = None   # per sampled row of the last step: its logprobs or None
         self._eos: tuple[frozenset, torch.Tensor] | None = None   # eos_ids as a device tensor
-        # Block tables for the paged kernel: row `seq.slot` of each running request (the
-        # scheduler hands slots out), kept across steps so a step writes only blocks added since
-        # the last one, and uploaded whole when one changed; the last row holds the scratch
-        # block, for the padding rows of a graph step.
+        # One row per running request (the paged kernel's block tables have one more, holding
+        # the scratch block, for the padding rows of a graph step).
         self.paged_kernel = paged_attention.available(device)
-        self._host_table = self._dev_table = None
-        self._pad_row = max_batch
-        self._table_dirty = False
-        if self.paged_kernel:
-            width = blocks_for(max_positions, cache.block_size)
-            self._host_table = torch.zeros(max_batch + 1, width, dtype=torch.int32, pin_memory=pin)
-            self._host_table_np = self._host_table.numpy()
-            self._host_table_np[self._pad_row, 0] = cache.scratch_block
-            self._dev_table = (self._host_table if device.type == "cpu"
-                               else self._host_table.to(device))
+        self.batch = InputBatch(max_batch, device,
+                                table_width=blocks_for(max_positions, cache.block_size) if self.paged_kernel else 0,
+                                scratch_block=cache.scratch_block)
         # set when a non-blocking upload is in flight: the host must not rewrite the pinned
         # staging until the copy has read it (a step that samples nothing never syncs otherwise)
         self._upload_done: torch.cuda.Event | None = None
@@ -83,17 +77,26 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.decoder, self._dev[IDS], self._dev[POSITIONS], self._graph_meta,
                                        capture_sizes(max_batch))
 
+    def remove(self, seq: Sequence) -> None:
+        """`seq` left the engine (finished, cancelled, failed): its row is free from now on."""
+        self.batch.remove(seq)
+
     def execute(self, plan: StepPlan) -> list[int]:
         """Token ids sampled for `plan.sampled`, in that order (their logprobs, for the rows
-        that ask, in `last_logprobs`)."""
+        that ask, in `last_logprobs`). Every plan comes here, an empty one too: its admitted
+        and preempted requests take and give back their rows."""
+        batch = self.batch
+        batch.update(plan)   # first: nothing below may leave an admitted request without its row
         self.last_logprobs = None
+        if plan.empty:
+            return []
+        if self._upload_done is not None:
+            self._upload_done.synchronize()   # done long ago in practice: a query, not a wait
         bs = self.cache.block_size
         decode = plan.decode
         nd = len(decode)
         graph_rows = self.graphs.size_for(nd) if self.graphs is not None and nd and not plan.prefill else None
         kernel = self.paged_kernel
-        if self._upload_done is not None:
-            self._upload_done.synchronize()   # done long ago in practice: a query, not a wait
         pos = [seq.computed for seq in decode]
         ids = [seq.tokens[p] for seq, p in zip(decode, pos)]
         rows = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(decode, pos)]
@@ -102,7 +105,6 @@ class ModelRunner:
         sampled = plan.sampled
         ns = len(sampled)
         self._host_np[SLOTS, :ns] = [seq.slot for seq in sampled]
-        self.sampling.admit(sampled)
         if kernel:   # decode rows are the first sampled rows: their table rows are their slots
             self._host_np[TABLE_ROWS, :nd] = self._host_np[SLOTS, :nd]
         for seq, n in plan.prefill:
@@ -120,8 +122,8 @@ class ModelRunner:
         self._host_np[:ROWS + 1, :total] = (ids, pos, rows)
         if kernel:
             np.add(self._host_np[POSITIONS, :total], 1, out=self._host_np[LENGTHS, :total])
-            self._stage_tables(decode)
-            self._stage_tables(seq for seq, _ in plan.prefill)
+            batch.stage_tables(decode)
+            batch.stage_tables(seq for seq, _ in plan.prefill)
         if graph_rows is not None and graph_rows > nd:
             self._pad(nd, graph_rows)
         self._upload()
@@ -134,7 +136,7 @@ class ModelRunner:
                 meta = StepMeta(cache=self.cache, write_rows=rows_t, write_pos=pos_t, num_decode=nd,
                                 groups=self.groups, dtype=self.dtype, prefills=chunks)
                 if kernel:
-                    meta.block_tables = self._dev_table
+                    meta.block_tables = batch.block_tables
                     meta.table_rows, meta.token_lengths = self._dev[TABLE_ROWS, :total], self._dev[LENGTHS, :total]
                 elif nd:
                     self._decode_layout(meta, plan)
@@ -144,13 +146,18 @@ class ModelRunner:
                 logits = self.decoder(ids_t, pos_t, keep_t, meta)
             if not ns:
                 return []
-            params = self.sampling.rows(self._host_np[SLOTS, :ns], self._dev[SLOTS, :ns])
-            asked = self.logprobs.prepare(logits, sampled)   # raw logits: before the EOS mask
+            slots = self._host_np[SLOTS, :ns]
+            params = batch.sampling.rows(slots, self._dev[SLOTS, :ns])
+            asked = None   # raw logits: before the EOS mask
+            if batch.num_logprobs:
+                asked = self.logprobs.prepare(logits, batch.top_logprobs[slots])
             if self.eos_ids and params.host[:, MASK_EOS].any():   # ignore_eos rows never sample EOS
                 eos = self._eos_tensor()
                 logits[:, eos] = logits[:, eos].masked_fill(params.dev[:, MASK_EOS, None] > 0, float("-inf"))
-            if self.grammars is not None:   # structured output: constrained rows' masks, on the device
-                self.grammars.apply_masks(logits, sampled)
+            if batch.num_constrained:   # structured output: constrained rows' masks, on the device
+                rows, matchers = batch.constrained(slots)
+                if len(rows):
+                    self.grammars.apply_masks(logits, rows, matchers)
             tokens = sample(logits, params, self.shared_generator)
             if asked is not None:
                 ids, self.last_logprobs = self.logprobs.finish(asked, tokens)
@@ -163,34 +170,20 @@ class ModelRunner:
             self._eos = (ids, long_tensor(sorted(ids), self.device))
         return self._eos[1]
 
-    def _stage_tables(self, seqs) -> None:
-        """Blocks the requests took since they were last staged, into their table rows (a decode
-        row takes a block every `block_size` steps; entries past a request's own blocks are
-        stale and never read: the kernel stops at each token's length)."""
-        table = self._host_table_np
-        for seq in seqs:
-            staged, blocks = seq.staged_blocks, seq.blocks
-            if len(blocks) > staged:
-                table[seq.slot, staged : len(blocks)] = blocks[staged:]
-                seq.staged_blocks = len(blocks)
-                self._table_dirty = True
-
     def _pad(self, start: int, end: int) -> None:
         """Rows [start, end) of a graph step that no request owns: token 0 at position 0, written
         to and read from the scratch block (length 1), so they touch no request's KV."""
         scratch = self.cache.scratch_block
-        self._host_np[:TABLE_ROWS + 1, start:end] = ((0,), (0,), (scratch * self.cache.block_size,), (1,), (self._pad_row,))
+        self._host_np[:TABLE_ROWS + 1, start:end] = ((0,), (0,), (scratch * self.cache.block_size,), (1,),
+                                                     (self.batch.pad_row,))
 
     def _upload(self) -> None:
-        """Staged inputs to the device: the whole small index buffer (one contiguous copy) and,
-        when a row changed, the block tables (one contiguous copy)."""
-        self.sampling.upload()
+        """Staged inputs to the device: the batch's rows that changed (sampling parameters, block
+        tables) and the whole small index buffer (one contiguous copy)."""
+        self.batch.upload()
         if self._dev is self._host:
             return
         self._dev.copy_(self._host, non_blocking=True)
-        if self._table_dirty:
-            self._dev_table.copy_(self._host_table, non_blocking=True)
-            self._table_dirty = False
         if self._upload_done is None:
             self._upload_done = torch.cuda.Event()
         self._upload_done.record()
@@ -198,7 +191,7 @@ class ModelRunner:
     def _graph_meta(self, rows: int) -> StepMeta:
         """A decode-only step of `rows` rows over the device staging buffers (what a graph captures)."""
         return StepMeta(cache=self.cache, write_rows=self._dev[ROWS, :rows], write_pos=self._dev[POSITIONS, :rows],
-                        num_decode=rows, groups=self.groups, dtype=self.dtype, block_tables=self._dev_table,
+                        num_decode=rows, groups=self.groups, dtype=self.dtype, block_tables=self.batch.block_tables,
                         table_rows=self._dev[TABLE_ROWS, :rows], token_lengths=self._dev[LENGTHS, :rows])
 
     def _decode_layout(self, meta: StepMeta, plan: StepPlan) -> None:

@@ -1,9 +1,9 @@
 """Batched sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds.
 
-Parameters live per slot, not per step. A request's temperature, top-k, top-p, EOS masking and
-generator are written once into a `SamplingTable` row when it takes its slot (the scheduler's
-`Sequence.slot`; the device copy is uploaded only when a row changed). A step gathers its rows
-by slot: one `index_select` on the device, one numpy gather on the host for the decisions
+Parameters live per row, not per step. A request's temperature, top-k, top-p, EOS masking and
+generator are written once into a `SamplingTable` row when it takes its row of the runner's
+batch (input_batch.py; the device copy is uploaded only when a row changed). A step gathers its
+rows by index: one `index_select` on the device, one numpy gather on the host for the decisions
 (which rows are greedy, seeded, truncated). So no step builds per-row Python lists or uploads
 per-row parameters (vLLM v1's persistent batch keeps sampling parameters the same way).
 
@@ -67,43 +67,35 @@ class RowParams:
 
 
 class SamplingTable:
-    """Sampling parameters per slot (columns TEMPERATURE, TOP_K (0: none), TOP_P, MASK_EOS,
-    SEEDED), written when a request first samples from its slot and kept on the device."""
+    """Sampling parameters per row (columns TEMPERATURE, TOP_K (0: none), TOP_P, MASK_EOS,
+    SEEDED) and each seeded row's generator, kept on the device."""
 
     def __init__(self, slots: int, device: torch.device):
         self._host = torch.zeros(slots, 5, dtype=torch.float32)
         self.host = self._host.numpy()
         self.dev = self._host if device.type == "cpu" else self._host.to(device)
         self.generators: list[torch.Generator | None] = [None] * slots
-        # The request each row was written for (identity, not id: a failover continuation
-        # reuses a request id with a new generator); holding it also keeps its id from reuse.
-        self._owners: list[object] = [None] * slots
         self._dirty = False
 
-    def write(self, slot: int, owner: object, temperature: float, top_k: int, top_p: float,
-              mask_eos: bool, generator: torch.Generator | None) -> None:
+    def write(self, slot: int, temperature: float, top_k: int, top_p: float, mask_eos: bool,
+              generator: torch.Generator | None) -> None:
         self.host[slot] = (temperature, top_k, top_p, mask_eos, generator is not None)
         self.generators[slot] = generator
-        self._owners[slot] = owner
         self._dirty = True
+
+    def clear(self, slot: int) -> None:
+        """The row's request left: let go of its generator (the numbers stay until rewritten)."""
+        self.generators[slot] = None
 
     @classmethod
     def of(cls, temperature, top_k, top_p, generators, device) -> "SamplingTable":
-        """A table whose slot r holds row r of the lists (no owners, ignore_eos off), uploaded:
-        for callers without requests in slots (tests, benchmarks)."""
+        """A table whose row r holds row r of the lists (ignore_eos off), uploaded: for callers
+        without requests in rows (tests, benchmarks)."""
         table = cls(len(temperature), torch.device(device))
         for r in range(len(temperature)):
-            table.write(r, None, temperature[r], top_k[r], top_p[r], False, generators[r])
+            table.write(r, temperature[r], top_k[r], top_p[r], False, generators[r])
         table.upload()
         return table
-
-    def admit(self, seqs) -> None:
-        """Rows for the requests that sample from a slot not yet written for them."""
-        owners = self._owners
-        for seq in seqs:
-            if owners[seq.slot] is not seq:
-                p = seq.req.params
-                self.write(seq.slot, seq, p.temperature, p.top_k, p.top_p, seq.ignore_eos, seq.generator)
 
     def upload(self) -> None:
         """The table to the device when a row changed: a plain blocking copy of a few KB, only

@@ -19,27 +19,21 @@ does not fit yet, nothing behind it jumps ahead. Aging keeps batch work moving u
 interactive load: a request that got nothing for `aging_steps` consecutive steps is served as if
 it were interactive. Preemption victims are taken from the other end of that order.
 
-Prefix caching (when the pool caches, block_pool.py): a request whose computed prefix ends at a
-block boundary first takes the cached blocks that continue it, on admission and again whenever
-its prompt is next scheduled (a request that waited for the prefill budget then finds what an
-identical one computed meanwhile), and prefills only the rest. The block holding its last
-context token is never taken (its logits are needed; recomputing that block in a fresh one is
-exact and writes nothing shared). A request whose next block another request computes in this
-very step waits a step and then takes it, instead of computing it twice. Blocks are published
-(named in the pool) only after the forward pass that wrote them succeeded (`cache_computed`), so a
-failed step leaves no half-written block shareable. Admission counts a request's hit: it needs
-blocks only for what follows it, and the hit's blocks nobody held come out of the free count.
-Shared blocks stay correct through preemption and cancel: releasing drops one reference, and a
-block nobody holds stays cached (counted free) until it is evicted for new tokens.
+Prefix caching and the KV blocks themselves are the `KVCacheManager`'s (kv_cache_manager.py): the
+scheduler asks it for a prompt's computed blocks, for slots for the tokens it schedules, and frees
+a request's blocks when it leaves or is preempted. After a forward pass, `update_from_output`
+moves every scheduled request past what it computed, has the filled blocks published and appends
+each sampled token to its request's context (what the token means, text and finish, is the
+engine's). Rows of the runner's batch are the runner's (input_batch.py): the plan says which
+requests joined (`admitted`) and left (`preempted`) the running set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import islice
 
-from worker.engine.block_pool import extend_names
-from worker.engine.kv_cache import PagedKVCache, blocks_for
+from worker.engine.kv_cache import blocks_for
+from worker.engine.kv_cache_manager import KVCacheManager
 from worker.engine.sequence import Sequence
 
 LANES = ("interactive", "batch")
@@ -54,6 +48,7 @@ class StepPlan:
     # of the rows the runner samples (decode rows first, then completed prefills)
     sampled: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)              # sent back to waiting this step
+    admitted: list[Sequence] = field(default_factory=list)               # joined the running set this step
 
     @property
     def empty(self) -> bool:
@@ -65,25 +60,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: PagedKVCache, max_running: int, prefill_chunk: int, aging_steps: int):
-        self.cache = cache
-        self.pool = cache.pool
-        self.caching = cache.pool.caching
+    def __init__(self, kv: KVCacheManager, max_running: int, prefill_chunk: int, aging_steps: int):
+        self.kv = kv
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.aging_steps = aging_steps
         # Blocks admission leaves free for running requests' next tokens, so a new request does
         # not cause a preemption on its very next step (vLLM's watermark, 1%).
-        self.watermark = cache.num_blocks // 100
+        self.watermark = kv.num_blocks // 100
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self._free_slots = list(range(max_running - 1, -1, -1))   # rows of the runner's tables (Sequence.slot)
         self.preemptions = 0    # total, for metrics
-        # prefix cache hit rate (totals, for metrics, as vLLM's prefix_cache_queries / _hits):
-        # context tokens of requests admitted for the first time, and how many of those were
-        # taken from the cache instead of computed (recomputes after preemption count in neither)
-        self.prefix_queries = 0
-        self.prefix_hits = 0
 
     def _priority(self, seq: Sequence) -> tuple[int, int]:
         urgent = seq.lane == "interactive" or seq.starved >= self.aging_steps
@@ -98,27 +85,25 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
-            self._release(seq)
+            self.kv.free(seq)
 
     def schedule(self) -> StepPlan:
-        self._admit()
         plan = StepPlan()
+        self._admit(plan)
         room = self.prefill_chunk
-        bs = self.cache.block_size
+        kv = self.kv
+        kv.start_step()
         order = sorted(self.running, key=self._priority)  # most urgent first
-        computing: set[bytes] = set()   # names of the blocks this step's prompt chunks fill
         i = 0
         while i < len(order):
             seq = order[i]
             i += 1
             decoding = seq.pending == 1 and seq.computed > 0
-            if self.caching and not decoding and seq.computed == len(seq.blocks) * bs:
-                self._reuse(seq)
-                nxt = len(seq.blocks)   # a block it could take next step: not its last token's
-                if nxt < (len(seq.tokens) - 1) // bs and seq.block_names[nxt] in computing:
-                    seq.starved += 1    # another request fills that block now: take it next step
+            if not decoding:
+                if not kv.take_computed(seq):
+                    seq.starved += 1    # another request fills its next block now: take it next step
                     continue
-                decoding = seq.pending == 1 and seq.computed > 0
+                decoding = seq.pending == 1 and seq.computed > 0   # the cache may leave one token
             n = 1 if decoding else min(seq.pending, room)
             if n == 0:
                 seq.starved += 1
@@ -133,8 +118,7 @@ class Scheduler:
             else:
                 plan.prefill.append((seq, n))
                 room -= n
-                if self.caching:
-                    computing.update(seq.block_names[seq.computed // bs : (seq.computed + n) // bs])
+                kv.will_fill(seq, n)
         for seq in self.waiting:
             seq.starved += 1
         # Decode rows in context-length order: attention cuts them into segments of similar
@@ -148,105 +132,58 @@ class Scheduler:
         `order` while the pool is short. Returns how many tokens it may compute (a prompt chunk
         shrinks to what fits once there is nothing left to preempt; a decode token is all or
         nothing)."""
-        bs = self.cache.block_size
-        while True:
-            need = blocks_for(seq.computed + n, bs) - len(seq.blocks)
-            if need <= self.pool.num_free:
-                break
+        kv = self.kv
+        while not kv.allocate_slots(seq, n):
             if order[-1] is seq:
-                n = min(n, (len(seq.blocks) + self.pool.num_free) * bs - seq.computed)
+                n = min(n, kv.tokens_that_fit(seq))
                 if n <= 0:
                     return 0
-                need = blocks_for(seq.computed + n, bs) - len(seq.blocks)
+                kv.allocate_slots(seq, n)
                 break
             victim = order.pop()
             self._preempt(victim)
             plan.preempted.append(victim)
-        if need > 0:
-            seq.blocks.extend(self.pool.allocate(need))
         return n
 
-    def cache_computed(self, plan: StepPlan) -> None:
-        """Publish the blocks this step's forward pass filled, prompt and generated tokens alike
-        (the engine calls it once the pass succeeded and `computed` has moved on): from now on
-        other requests may share them."""
-        bs = self.cache.block_size
-        for seq in plan.decode:
-            if seq.computed >= (seq.published + 1) * bs:
-                self._publish(seq)
-        for seq, _ in plan.prefill:
-            if seq.computed >= (seq.published + 1) * bs:
-                self._publish(seq)
-
-    def _publish(self, seq: Sequence) -> None:
-        bs = self.cache.block_size
-        full = seq.computed // bs
-        if len(seq.block_names) < full:
-            extend_names(seq.block_names, seq.cache_root, seq.tokens, bs, full)
-        for i in range(seq.published, full):
-            self.pool.publish(seq.blocks[i], seq.block_names[i])
-        seq.published = full
-
-    def _hit(self, seq: Sequence) -> list[int]:
-        """The cached blocks continuing `seq`'s blocks (all computed, ending at a block
-        boundary), up to but never including the block of its last context token."""
-        bs = self.cache.block_size
-        limit = (len(seq.tokens) - 1) // bs
-        start = len(seq.blocks)
-        if start >= limit:
-            return []
-        if len(seq.block_names) < limit:
-            extend_names(seq.block_names, seq.cache_root, seq.tokens, bs, limit)
-        return self.pool.cached_prefix(islice(seq.block_names, start, limit))
-
-    def _reuse(self, seq: Sequence, hit: list[int] | None = None) -> None:
-        """Take `hit` (default: `_hit(seq)`) into `seq`'s blocks: computed without computing."""
-        if hit is None:
-            hit = self._hit(seq)
-        if not hit:
-            return
-        self.pool.take(hit)
-        seq.blocks.extend(hit)
-        seq.computed += len(hit) * self.cache.block_size
-        seq.published = len(seq.blocks)
-        if seq.preemptions == 0:
-            seq.cached_tokens += len(hit) * self.cache.block_size
-            self.prefix_hits += len(hit) * self.cache.block_size
+    def update_from_output(self, plan: StepPlan, tokens: list[int]) -> None:
+        """After a forward pass succeeded: every scheduled request moves past the tokens it
+        computed, the blocks they filled are published (others may share them from now on), and
+        each sampled request (`plan.sampled`, in the order of `tokens`) gets its new token."""
+        for seq, token in zip(plan.decode, tokens):   # decode rows are the first sampled rows
+            seq.computed += 1
+            seq.tokens.append(token)
+            seq.new_tokens += 1
+        for seq, n in plan.prefill:
+            seq.computed += n
+        nd = len(plan.decode)
+        for seq, token in zip(plan.sampled[nd:], tokens[nd:]):   # prompts completed this step
+            seq.tokens.append(token)
+            seq.new_tokens += 1
+        self.kv.cache_computed(plan.decode, plan.prefill)
 
     def _preempt(self, seq: Sequence) -> None:
         """Take a running request's blocks back; it waits and recomputes its whole context."""
         self.running.remove(seq)
-        self._release(seq)
+        self.kv.free(seq)
         seq.computed = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.append(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        self.pool.release(seq.blocks)
-        seq.blocks = []
-        seq.published = 0
-        if seq.slot >= 0:
-            self._free_slots.append(seq.slot)
-        seq.slot, seq.staged_blocks = -1, 0
-
-    def _admit(self) -> None:
+    def _admit(self, plan: StepPlan) -> None:
         self.waiting.sort(key=self._priority)
+        kv, bs = self.kv, self.kv.block_size
         promised = 0  # blocks the requests admitted now will take for their first chunk
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            hit = self._hit(seq) if self.caching else []
-            # the hit's blocks nobody holds count as free now, and taking them uses them up
-            idle = sum(1 for block in hit if self.pool.refs[block] == 0)
-            rest = len(seq.tokens) - len(hit) * self.cache.block_size
-            first_chunk = blocks_for(min(rest, self.prefill_chunk), self.cache.block_size)
-            if promised + first_chunk + self.watermark > self.pool.num_free - idle:
+            hit = kv.computed_blocks(seq)
+            rest = len(seq.tokens) - len(hit) * bs
+            first_chunk = blocks_for(min(rest, self.prefill_chunk), bs)
+            if promised + first_chunk + self.watermark > kv.free_after(hit):
                 return
             promised += first_chunk
             self.waiting.pop(0)
-            if seq.preemptions == 0:
-                self.prefix_queries += len(seq.tokens)
-            self._reuse(seq, hit)
+            kv.admit(seq, hit)
             seq.starved = 0
-            seq.slot = self._free_slots.pop()
             self.running.append(seq)
+            plan.admitted.append(seq)

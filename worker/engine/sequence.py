@@ -1,5 +1,6 @@
-"""One request's state inside the engine, shared by the scheduler (what runs), the runner (what
-to feed the model) and the engine's postprocessing (what to emit)."""
+"""One request's state inside the engine, shared by the scheduler (what runs), the KV cache
+manager (which blocks it holds), the runner (what to feed the model) and the engine's
+postprocessing (what to emit)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,11 @@ class Sequence:
     starved: int = 0                # consecutive steps it waited for admission / a prefill chunk
     preemptions: int = 0            # times its KV blocks were taken back (it recomputes them)
     finished: bool = False
-    # The request's row in the runner's per-request tables while running (block table, sampling
-    # parameters; the scheduler hands rows out on admission and takes them back with the blocks),
-    # and how many of `blocks` the block table holds: blocks are only ever appended while
-    # running, so a step writes just the new ones.
+    # The request's row in the runner's batch while running (input_batch.py: sampling parameters,
+    # block table, ...; taken on admission, given back on preemption or end); -1: none.
     slot: int = -1
     admitted_ms: int = 0            # wall clock of its first scheduled prompt chunk (queue time ends)
-    staged_blocks: int = 0
-    # Prefix caching (block_pool.py): the names of the context's leading full blocks (computed
+    # Prefix caching (kv_cache_manager.py, block_pool.py): the names of the context's leading full blocks (computed
     # once each, as they are looked up or fill), the chain's root (model and salt), how many of
     # `blocks` are named in the pool (taken from the cache or published once computed), and the
     # context tokens its first pass took from the cache instead of computing them.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.errors import ErrorCode
-from shared.streams import SamplingParams
+from shared.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -37,30 +37,42 @@ class EngineRequest:
 class EngineRejected(Exception):
     """The request can never run here (the caller reports `code` to the client)."""
 
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, *, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param      # the request field it is about (e.g. response_format), if one
+
+
+def _wire(key: str, *, usual: object = None, sparse: bool = False, decode=None, **kwargs):
+    """A StepOutput field with its key on the engine pipe (worker.engine_wire). `sparse`: most
+    outputs have the `usual` value, and only the others send theirs; `decode` turns what msgpack
+    gives back into the field's type."""
+    return field(metadata={"key": key, "sparse": sparse, "usual": usual, "decode": decode}, **kwargs)
 
 
 @dataclass(slots=True)
 class StepOutput:
-    rid: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    error_code: ErrorCode | None = None
-    error_message: str | None = None
+    """What one request produced in one step. Every field names its key on the engine pipe
+    (`_wire`), so a new field crosses it with no other change."""
+    rid: str = _wire("r")
+    text: str = _wire("t")
+    token_ids: list[int] = _wire("i")
+    finished: bool = _wire("f", sparse=True, usual=False)
+    finish_reason: FinishReason | None = _wire("fr", sparse=True)
+    prompt_tokens: int = _wire("p")
+    completion_tokens: int = _wire("c")
+    error_code: ErrorCode | None = _wire("ec", sparse=True, decode=ErrorCode, default=None)
+    error_message: str | None = _wire("em", sparse=True, default=None)
     # wall clock (ms) when the step produced this output: outputs may reach Redis later, batched
-    emitted_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    emitted_ms: int = _wire("e", default_factory=lambda: int(time.time() * 1000))
     # final outputs: the prompt tokens whose KV came from the prefix cache instead of being
     # computed (OpenAI's usage.prompt_tokens_details.cached_tokens)
-    cached_tokens: int = 0
+    cached_tokens: int = _wire("ct", sparse=True, usual=0, default=0)
     # final outputs: wall clock (ms) when the request first ran (its queue time ends there; 0:
     # it never ran, e.g. cancelled while waiting)
-    admitted_ms: int = 0
+    admitted_ms: int = _wire("a", sparse=True, usual=0, default=0)
     # requests that ask for logprobs: one entry per id of token_ids (worker.engine.logprobs.entry)
-    logprobs: list | None = None
+    logprobs: list | None = _wire("lp", sparse=True, default=None)
+    # errors: the request field the error is about (EngineRejected.param), if one
+    error_param: str | None = _wire("ep", sparse=True, default=None)

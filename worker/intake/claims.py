@@ -1,0 +1,138 @@
+"""Claiming the entries other workers will not finish: a dead worker's at once, idle ones by XAUTOCLAIM.
+
+Why its own module: a request entry stays pending under the worker that read it until that
+worker acks it; if it died, or handed the entry back, someone has to take the entry over.
+
+* dead workers: a worker whose registry heartbeat lapsed (`worker_ttl_s`) has its entries
+  XCLAIMed at once, whatever our free slots (up to our capacity a round), ahead of new intake.
+  A dead worker with nothing left pending is forgotten (registry entry, control stream, group
+  consumer);
+* idle entries: XAUTOCLAIM (following its cursor) of entries idle for `claim_idle_ms`, up to
+  our free slots: hand-backs, and workers gone from the registry;
+* Redis liveness: neither runs until we have watched Redis for a worker TTL without
+  interruption: after a Redis restart every heartbeat and every entry's idle time is stale,
+  and live peers need that window to beat and refresh their entries again
+  (shared.peer_liveness).
+
+What happens to a claimed request another worker started is worker.failover's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+from shared.config import Settings
+from shared.peer_liveness import PeerLiveness, server_run_id
+from shared.streams import CONSUMER_GROUP, Keys, as_str
+from worker import consumer_group, registry
+from worker.inflight import InFlightTable, Stats
+from worker.intake.contests import Contests
+from worker.redis_io import TRANSIENT
+
+log = logging.getLogger("worker.intake")
+
+MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
+
+
+class Claims:
+    def __init__(self, *, redis, keys: Keys, settings: Settings, worker_id: str, table: InFlightTable,
+                 contests: Contests, stats: Stats, accept: Callable[[str, dict, int], Awaitable[None]]):
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.worker_id = worker_id
+        self.table = table
+        self.contests = contests
+        self.stats = stats
+        self.accept = accept                      # (entry id, fields, deliveries): worker.intake.accept
+        self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
+        # who is dead: not judged while Redis (or this process) was away (shared.peer_liveness)
+        self.peers = PeerLiveness(self.settings.worker_ttl_s, what="peer workers")
+
+    def judging(self) -> bool:
+        """Whether idle times can be trusted (Redis watched for a worker TTL without a break)."""
+        return self.peers.judging()
+
+    async def watch_redis(self) -> None:
+        """One liveness round: which Redis server answers, and how promptly. A new server
+        (restart, failover) means stale heartbeats, idle times and group counters."""
+        sent_at = self.peers.clock()
+        run_id = await server_run_id(self.redis, self.keys.workers)
+        if self.peers.observe(run_id, sent_at):
+            await consumer_group.resync_entries_read(self.redis, self.keys)
+
+    # ---- entries of dead workers ------------------------------------------------------------
+
+    async def claim_dead_workers(self) -> None:
+        """Claim the entries of every worker whose registry heartbeat is older than
+        worker_ttl_s (up to our capacity a round), and clean up after those with none left."""
+        try:
+            await self.watch_redis()
+            await self._claim_dead_workers()
+        except TRANSIENT:
+            self.peers.interrupted()   # what we read next may be stale: a fresh window first
+            raise
+
+    async def _claim_dead_workers(self) -> None:
+        cutoff = self.peers.cutoff_ms()
+        if self.table.unhealthy or cutoff is None:
+            return
+        silent = await self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff)
+        room = self.table.capacity
+        for dead in (as_str(w) for w in silent):
+            if dead == self.worker_id or room <= 0:
+                continue
+            pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
+                                                      count=room, consumername=dead)
+            if not pending:
+                await registry.forget_dead(self.redis, self.keys, dead)
+                log.info("worker %s is dead and owns nothing any more: removed its registry entry, control "
+                         "stream and consumer", dead)
+                continue
+            # min-idle: of two survivors claiming at once only one gets each entry (XCLAIM resets
+            # the idle time), and an entry the dead worker refreshed just before dying still qualifies
+            min_idle = int(self.settings.worker_ttl_s * 500)
+            claimed = await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, min_idle,
+                                              [p["message_id"] for p in pending])
+            claimed = [(as_str(i), f) for i, f in claimed if f]
+            if claimed:
+                log.info("worker %s is dead (no heartbeat for %.1f s): claimed %d of its requests", dead,
+                         self.settings.worker_ttl_s, len(claimed))
+                room -= len(claimed)
+                await self._accept_claimed(claimed)
+
+    # ---- idle entries -----------------------------------------------------------------------
+
+    async def claim_once(self, count: int) -> None:
+        """XAUTOCLAIM up to `count` idle entries, following its cursor: Redis scans at most
+        10 x COUNT pending entries a call, so with one free slot behind a hundred busy entries
+        a scan from 0-0 every time would never reach the idle ones further on."""
+        claimed: list = []
+        for _ in range(MAX_SCAN_CALLS):
+            self.cursor, entries, deleted = (await self.redis.xautoclaim(
+                self.keys.requests, CONSUMER_GROUP, self.worker_id, self.settings.claim_idle_ms,
+                start_id=self.cursor, count=count - len(claimed)))[:3]
+            self.cursor = as_str(self.cursor)
+            if deleted:
+                log.warning("pending entries trimmed before anyone finished them: %s", deleted)
+            claimed += [(as_str(i), f) for i, f in entries if f]
+            if len(claimed) >= count or self.cursor == "0-0":
+                break
+        await self._accept_claimed(claimed)
+
+    async def _accept_claimed(self, entries: list) -> None:
+        if not entries:
+            return
+        # delivery counts (the claim has already counted this delivery)
+        ids = sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))
+        pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
+                                                  max=ids[-1][0], count=len(entries) + 100,
+                                                  consumername=self.worker_id)
+        deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        ours = self.table.entry_ids() | self.contests.entry_ids()
+        for entry_id, fields in entries:
+            if entry_id in ours:
+                continue
+            self.stats.claimed += 1
+            await self.accept(entry_id, fields, deliveries=deliveries.get(entry_id, 2))
