@@ -603,8 +603,47 @@ async def p_previous_response_id(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
-ROUTES = ["/v1/embeddings", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech",
-          "/v1/files", "/v1/batches"]
+ROUTES = ["/v1/embeddings", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech"]
+
+
+async def p_batch(ctx: Ctx, _=None) -> str:
+    """The Batch API end to end through the SDK: upload (and a malformed upload refused per line),
+    create, poll, the output file, list, retrieve, cancel, delete (tests/test_openai_batch.py
+    checks each in depth)."""
+    import io
+    line = {"custom_id": "c0", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0}}
+    try:
+        await ctx.client.files.create(file=("bad.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        return "malformed file accepted"
+    except openai.BadRequestError as exc:
+        assert exc.body["code"] == "invalid_batch_file" and exc.body["lines"][0]["line"] == 1, exc.body
+    upload = await ctx.client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")),
+                                           purpose="batch")
+    assert (await ctx.client.files.retrieve(upload.id)).bytes == upload.bytes
+    batch = await ctx.client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+
+    async def done() -> bool:
+        return (await ctx.client.batches.retrieve(batch.id)).status == "completed"
+    assert await eventually(done, timeout=60, interval=0.2)
+    batch = await ctx.client.batches.retrieve(batch.id)
+    assert batch.request_counts.completed == 1
+    (answer,) = [json.loads(x) for x in (await ctx.client.files.content(batch.output_file_id)).text.splitlines()]
+    assert answer["custom_id"] == "c0" and answer["response"]["body"]["choices"][0]["message"]["content"] == \
+        ctx.chat_text, answer
+    assert batch.id in [b.id async for b in ctx.client.batches.list(limit=5)]
+    assert upload.id in [f.id async for f in ctx.client.files.list()]
+    other = await ctx.client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+    assert (await ctx.client.batches.cancel(other.id)).status in ("cancelling", "cancelled")
+    assert (await ctx.client.files.delete(upload.id)).deleted
+    try:
+        await ctx.client.files.retrieve(upload.id)
+        return "a deleted file is still there"
+    except openai.NotFoundError:
+        return "yes"
+
 
 PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "POST /v1/chat/completions": p_chat,
@@ -612,6 +651,9 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "GET /v1/models": p_models,
     "GET /v1/models/{model}": p_model_retrieve,
     **{path: route(path) for path in ROUTES},
+    **{path: p_batch for path in ("POST /v1/files", "GET /v1/files", "GET /v1/files/{id}", "GET /v1/files/{id}/content",
+                                  "DELETE /v1/files/{id}", "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{id}",
+                                  "POST /v1/batches/{id}/cancel")},
     "model": p_model,
     "stream": p_stream,
     "stream_options.include_usage": p_include_usage,
