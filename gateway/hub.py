@@ -36,6 +36,7 @@ from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
 from gateway.new_request import RequestStarter
 from gateway.openai.front import HttpFront
+from gateway.openai.responses_store import ResponseStore
 from gateway.openai.session import HttpSession
 from gateway.openai.tokenize import WorkerAsk
 from gateway.probe import GatewayProbe
@@ -131,6 +132,8 @@ class Hub:
         self.http = HttpFront(core=self.core, key_checker=self.key_checker, settings=s, metrics=self.metrics,
                               http_session=self.http_session,
                               ask_worker=WorkerAsk(self.reader, self.router, self.submitter, self.gw_id),
+                              responses=ResponseStore(self.redis, self.keys, self.submitter, s.responses_ttl_s),
+
                               files=files, batches=batches)
         self.probe = GatewayProbe(sessions=self.sessions, metrics=self.metrics, reader=self.reader,
                                   router=self.router, submitter=self.submitter, socket_caps=self.socket_caps,

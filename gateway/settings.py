@@ -14,6 +14,9 @@ class GatewaySettings(Settings):
     resume_grace_s: float = Field(
         5.0, description="after a socket drops, its unfinished requests wait this long for a `resume` "
                          "(on any replica) before they are cancelled; 0 cancels at once")
+    responses_ttl_s: int = Field(
+        3600, description="how long a stored Responses API response (`store`: true) is kept: its request, input "
+                          "and, once read finished, its output (the output history itself lasts OUTPUT_TTL_S)")
     slow_consumer_s: float = Field(10.0, description="a send blocked this long closes the socket (SLOW_CONSUMER)")
     auth_timeout_s: float = Field(10.0, description="how long a socket may stay unauthenticated waiting for {type: auth}")
     admission_cache_ms: int = Field(200, description="how long one read of the queue depth is reused")

@@ -52,6 +52,7 @@ META_OWNER = "owner"    # worker running the request (absent when none)
 META_LEASE = "lease"    # ms on Redis's clock until which owner's claim holds (refreshed by it; worker.ownership)
 META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
 META_ATT = "att"        # attach counter: bumped by every resume
+META_BG = "bg"          # "1": a background response (nobody need listen: never cancelled as an orphan)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ class Keys:
 
     def cancel(self, rid: str) -> str:
         return f"{self.prefix}:{{r:{rid}}}:cancel"
+
+    # ---- slot {resp:hex}: one stored Responses API response (gateway.openai.responses_store) ----
+    def response(self, hex_id: str) -> str:
+        return f"{self.prefix}:{{resp:{hex_id}}}:resp"
 
     # ---- slot {g:gw}: one gateway ----
     def inbox(self, gw: str) -> str:

@@ -528,7 +528,82 @@ async def p_response_format(ctx: Ctx, _=None) -> str:
         await ctx.chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}})
     assert info.value.body["param"] == "response_format"
     return "yes"
-ROUTES = ["/v1/embeddings", "/v1/responses", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech"]
+
+# ---- the Responses API (docs/clients.md, "Responses API")
+
+async def responses_finished(ctx: Ctx, resp_id: str):
+    polls = []
+
+    async def ended():
+        polls.append(await ctx.client.responses.retrieve(resp_id))
+        return polls[-1].status not in ("queued", "in_progress")
+    assert await eventually(ended, timeout=60, interval=0.1), polls[-1].status
+    return polls[-1]
+
+
+async def p_responses_create(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0)
+    assert r.object == "response" and r.output_text == ctx.chat_text and r.usage.output_tokens == 6
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    events = [e async for e in await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6,
+                                                                  temperature=0, stream=True)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ctx.chat_text
+    return "yes"
+
+
+async def p_responses_retrieve(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0)
+    assert (await ctx.client.responses.retrieve(r.id)).model_dump() == r.model_dump()
+    return "yes"
+
+
+async def p_responses_background(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0,
+                                          background=True)
+    assert r.status == "queued"
+    assert (await responses_finished(ctx, r.id)).output_text == ctx.chat_text
+    every = [e async for e in await ctx.client.responses.retrieve(r.id, stream=True)]
+    rest = [e async for e in await ctx.client.responses.retrieve(r.id, stream=True, starting_after=3)]
+    assert [e.model_dump() for e in rest] == [e.model_dump() for e in every[4:]] and rest
+    return "yes"
+
+
+async def p_responses_cancel(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=2000, background=True)
+    assert (await ctx.client.responses.cancel(r.id)).status == "cancelled"
+    assert (await responses_finished(ctx, r.id)).status == "cancelled"
+    return "yes"
+
+
+async def p_responses_delete(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=2)
+    await ctx.client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        await ctx.client.responses.retrieve(r.id)
+    return "yes"
+
+
+async def p_responses_input_items(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=2)
+    items = await ctx.client.responses.input_items.list(r.id)
+    assert [i.content[0].text for i in items.data] == [CHAT[0]["content"]]
+    return "yes"
+
+
+async def p_previous_response_id(ctx: Ctx, _=None) -> str:
+    first = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0)
+    more = {"role": "user", "content": "And then?"}
+    second = await ctx.client.responses.create(model=MODEL, input=[more], previous_response_id=first.id,
+                                               max_output_tokens=6, temperature=0)
+    whole = await ctx.chat(messages=[*CHAT, {"role": "assistant", "content": first.output_text}, more])
+    assert second.output_text == whole.choices[0].message.content
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    return "yes"
+
+
+ROUTES = ["/v1/embeddings", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech"]
 
 
 async def p_batch(ctx: Ctx, _=None) -> str:
@@ -648,6 +723,14 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "x-request-id": p_request_id,
     "error": p_errors,
     "context_too_long": p_context_too_long,
+    "POST /v1/responses": p_responses_create,
+    "GET /v1/responses/{id}": p_responses_retrieve,
+    "GET /v1/responses/{id}?stream=true&starting_after=N": p_responses_background,
+    "background": p_responses_background,
+    "POST /v1/responses/{id}/cancel": p_responses_cancel,
+    "DELETE /v1/responses/{id}": p_responses_delete,
+    "GET /v1/responses/{id}/input_items": p_responses_input_items,
+    "previous_response_id": p_previous_response_id,
 }
 
 
