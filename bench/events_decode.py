@@ -23,19 +23,24 @@ from shared.events import TokEvent, decode_events  # noqa: E402
 from shared.streams import decode_event_list, pack_event_list  # noqa: E402
 
 
-def entries(events: int, per_entry: int) -> list[bytes]:
+def entries(events: int, per_entry: int, lens: bool = False) -> list[bytes]:
+    """`lens`: the events carry per-token text lengths (`tl`, what a resume inside one cuts by)."""
     payloads = [TokEvent(f"{i:032x}", 40 + i % 7, [1000 + i, 2000 + i, 3000 + i], " the", 1,
-                         1_700_000_000_000 + i, None, 120).encode() for i in range(events)]
+                         1_700_000_000_000 + i, None, 120, [2, 0, 2] if lens else None).encode() for i in range(events)]
     return [pack_event_list(payloads[i:i + per_entry]) for i in range(0, events, per_entry)]
 
 
-def variants(batches: list[bytes]) -> dict:
+def variants(batches: list[bytes], with_lens: list[bytes]) -> dict:
     def dicts() -> None:
         for b in batches:
             decode_event_list(b)
 
     def typed() -> None:
         for b in batches:
+            decode_events(b)
+
+    def typed_lens() -> None:
+        for b in with_lens:
             decode_events(b)
 
     def dicts_read() -> None:       # the reads as the sites made them before (gateway/*.py at main~)
@@ -58,7 +63,8 @@ def variants(batches: list[bytes]) -> dict:
                     ev.seq - len(ev.ids) + 1
                     ev.prompt_tokens, ev.text, len(ev.ids), ev.seq, ev.logprobs
 
-    return {"dict decode": dicts, "typed decode": typed, "dict decode + reads": dicts_read,
+    return {"dict decode": dicts, "typed decode": typed, "typed decode, with tl": typed_lens,
+            "dict decode + reads": dicts_read,
             "typed decode + reads": typed_read}
 
 
@@ -68,7 +74,7 @@ def main() -> None:
     ap.add_argument("--per-entry", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    runs = variants(entries(args.events, args.per_entry))
+    runs = variants(entries(args.events, args.per_entry), entries(args.events, args.per_entry, lens=True))
     best = {name: float("inf") for name in runs}
     for _ in range(args.repeats):
         for name, fn in runs.items():

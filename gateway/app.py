@@ -22,8 +22,9 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from gateway.auth import bearer_token
+from gateway.batch import routes as batch_routes
 from gateway.hub import Hub
-from gateway.openai import routes as openai_routes, tokenize
+from gateway.openai import responses_routes, routes as openai_routes, tokenize
 from gateway.openai.errors import http_exception
 from gateway.settings import GatewaySettings
 from gateway.ws.endpoint import stream
@@ -107,6 +108,8 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         routes=[
             WebSocketRoute("/v1/stream", stream),
             *openai_routes.ROUTES,
+            *responses_routes.ROUTES,
+            *batch_routes.ROUTES,
             *tokenize.ROUTES,
             Route("/healthz", healthz),
             Route("/readyz", readyz),

@@ -122,8 +122,7 @@ class Bookkeeper:
             if self.grace_s > 0:
                 await self.submitter.park_orphans(batch, self.grace_s)
             else:
-                for rid, _ in batch:
-                    await self.submitter.cancel(rid)
-                self.on_cancelled(len(batch))
+                cancelled = [rid for rid, _ in batch if await self.submitter.cancel_orphan(rid)]
+                self.on_cancelled(len(cancelled))
             for _ in batch:
                 self._orphans.popleft()

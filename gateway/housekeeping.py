@@ -13,7 +13,8 @@ The duties (`gateway_duties`), each over exactly the parts it needs:
 * routing         the worker registry snapshot cache-aware routing picks from;
 * backlog         the queue depth and live workers, for dashboards and alerts;
 * orphans         cancel parked requests nobody resumed within the grace;
-* leases          extend the concurrency leases of the requests this replica serves.
+* leases          extend the concurrency leases of the requests this replica serves;
+* batches         renew the leases of the batches this replica runs, claim free ones (gateway.batch.runner).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class Housekeeping:
 
 def gateway_duties(s: GatewaySettings, *, sessions: Sessions, cancel_watch: CancelWatch, submitter: Submitter,
                    liveness: Liveness, router: Router, metrics: GatewayMetrics,
-                   read_backlog: Callable[[], Awaitable[None]]) -> list[Duty]:
+                   read_backlog: Callable[[], Awaitable[None]],
+                   batches: Callable[[float], Awaitable[None]] | None = None) -> list[Duty]:
     """The gateway's duties and their intervals (the module docstring lists them)."""
     tick = max(0.05, min(s.sweep_interval_s, 1.0, s.gateway_heartbeat_s))
 
@@ -136,6 +138,8 @@ def gateway_duties(s: GatewaySettings, *, sessions: Sessions, cancel_watch: Canc
         Duty("orphans", tick, orphans),
         Duty("leases", s.concurrency_lease_s / 3, leases),
     ]
+    if batches is not None:
+        duties.append(Duty("batches", tick, batches))
     if s.request_stall_s > 0:
         duties.insert(2, Duty("stalls", tick, stalls))
     return duties

@@ -8,7 +8,9 @@ gets, with exactly the collaborators it needs and never the hub itself:
 * a WebSocket's session (`websocket_session`) and an HTTP request's (`http_session`), each a
   request table and a `Sender` over the transport's `Writer`;
 * the fronts the endpoints reach (`WebSocketFront`, `HttpFront`) and the test/operations probe
-  (gateway.probe), which gateway.app puts in the app's state at start.
+  (gateway.probe), which gateway.app puts in the app's state at start;
+* the Batch API's stores and its runner (gateway.batch), a housekeeping duty that runs each
+  batch's lines through the same request core, on HTTP sessions like any other.
 Nothing here is needed by another replica: losing the process loses no request.
 """
 
@@ -22,6 +24,10 @@ from redis.exceptions import RedisError
 
 from gateway.admission import Admission
 from gateway.auth import KeyChecker, OriginPolicy
+from gateway.batch.files import FileStore
+from gateway.batch.line import LineRunner
+from gateway.batch.runner import BatchRunner
+from gateway.batch.store import BatchStore
 from gateway.bookkeeping import Bookkeeper
 from gateway.heartbeats import HeartbeatWheel
 from gateway.housekeeping import Housekeeping, gateway_duties
@@ -30,6 +36,7 @@ from gateway.liveness import Liveness, reqs_ttl_s
 from gateway.metrics import GatewayMetrics
 from gateway.new_request import RequestStarter
 from gateway.openai.front import HttpFront
+from gateway.openai.responses_store import ResponseStore
 from gateway.openai.session import HttpSession
 from gateway.openai.tokenize import WorkerAsk
 from gateway.probe import GatewayProbe
@@ -70,6 +77,7 @@ class Hub:
         self.reader: Inbox | None = None
         self._reader_redis = None
         self.housekeeping: Housekeeping | None = None
+        self.batch_runner: BatchRunner | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -109,16 +117,25 @@ class Hub:
         s = self.settings
         self.core = RequestCore(starter=self.starter, resumer=self.resumer, submitter=self.submitter,
                                 sessions=self.sessions, metrics=self.metrics)
+        files = FileStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
+        batches = BatchStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
+        self.batch_runner = BatchRunner(
+            self.redis, s, gw_id=self.gw_id, gateways_key=self.keys.gateways, store=batches, files=files,
+            lines=LineRunner(self.core, self.http_session, batches, s.served_model_name),
+            draining=lambda: self.sessions.draining)
         self.housekeeping = Housekeeping(gateway_duties(
             s, sessions=self.sessions, cancel_watch=self.cancel_watch, submitter=self.submitter,
             liveness=self.liveness, router=self.router, metrics=self.metrics,
-            read_backlog=self._read_backlog_metrics), self.metrics)
+            read_backlog=self._read_backlog_metrics, batches=self.batch_runner.tick), self.metrics)
         self.websocket = WebSocketFront(core=self.core, key_checker=self.key_checker, origins=self.origins,
                                         socket_caps=self.socket_caps, settings=s, metrics=self.metrics,
                                         websocket_session=self.websocket_session)
         self.http = HttpFront(core=self.core, key_checker=self.key_checker, settings=s, metrics=self.metrics,
                               http_session=self.http_session,
-                              ask_worker=WorkerAsk(self.reader, self.router, self.submitter, self.gw_id))
+                              ask_worker=WorkerAsk(self.reader, self.router, self.submitter, self.gw_id),
+                              responses=ResponseStore(self.redis, self.keys, self.submitter, s.responses_ttl_s),
+
+                              files=files, batches=batches)
         self.probe = GatewayProbe(sessions=self.sessions, metrics=self.metrics, reader=self.reader,
                                   router=self.router, submitter=self.submitter, socket_caps=self.socket_caps,
                                   drain=self.drain)
@@ -127,6 +144,8 @@ class Hub:
         await self.heartbeats.stop()
         if self.housekeeping:
             await self.housekeeping.stop()
+        if self.batch_runner:
+            await self.batch_runner.stop()        # its leases go now: another replica goes on at once
         if self.reader:
             await self.reader.stop()
         if self.redis:
@@ -151,6 +170,8 @@ class Hub:
 
     async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         await self.sessions.drain(timeout)
+        if self.batch_runner:
+            await self.batch_runner.stop()
 
     async def _read_backlog_metrics(self) -> None:
         """The fleet as Redis shows it, for dashboards and alerts (one round trip every

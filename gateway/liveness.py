@@ -101,7 +101,7 @@ class Liveness:
             await self.submitter.park_orphans(orphans, self.grace_s)
         else:
             for rid, _ in orphans:
-                await self.submitter.cancel(rid)
+                await self.submitter.cancel_orphan(rid)
         await self._forget_gateway(gw)
         return len(orphans)
 

@@ -19,7 +19,7 @@ CLOSE_REASONS = ("client", "lost", ErrorCode.SLOW_CONSUMER.value, ErrorCode.SHUT
                  ErrorCode.UNAUTHORIZED.value, ErrorCode.INTERNAL.value)
 # the gateway's periodic duties (gateway.housekeeping), each with its own failure count
 HOUSEKEEPING_DUTIES = ("cancel_watch", "slow_consumers", "stalls", "liveness", "routing", "backlog", "orphans",
-                       "leases")
+                       "leases", "batches")
 RESUME_OUTCOMES = ("attached", ErrorCode.RESUME_EXPIRED.value, ErrorCode.RATE_LIMITED.value,
                    ErrorCode.BACKEND_UNAVAILABLE.value)
 

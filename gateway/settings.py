@@ -14,6 +14,9 @@ class GatewaySettings(Settings):
     resume_grace_s: float = Field(
         5.0, description="after a socket drops, its unfinished requests wait this long for a `resume` "
                          "(on any replica) before they are cancelled; 0 cancels at once")
+    responses_ttl_s: int = Field(
+        3600, description="how long a stored Responses API response (`store`: true) is kept: its request, input "
+                          "and, once read finished, its output (the output history itself lasts OUTPUT_TTL_S)")
     slow_consumer_s: float = Field(10.0, description="a send blocked this long closes the socket (SLOW_CONSUMER)")
     auth_timeout_s: float = Field(10.0, description="how long a socket may stay unauthenticated waiting for {type: auth}")
     admission_cache_ms: int = Field(200, description="how long one read of the queue depth is reused")
@@ -54,6 +57,18 @@ class GatewaySettings(Settings):
                                                             "for little gain on short token chunks")
     ws_max_size: int = Field(0, description="WebSocket frames above this close the socket (1009); "
                                             "0 = 4 x max_frame_bytes so oversize frames up to that get a typed error")
+
+    # the Batch API (gateway.batch; docs/clients.md "Batch API", docs/operations.md)
+    batch_file_max_bytes: int = Field(20 * 1024 * 1024, description="largest file `POST /v1/files` accepts (413 "
+                                                                    "above it); a file is one Redis value")
+    batch_max_lines: int = Field(50_000, description="most requests one batch input file may hold")
+    batch_file_ttl_s: int = Field(7 * 86400, description="how long uploaded files, batch output files and batch "
+                                                         "objects stay in Redis")
+    batch_concurrency: int = Field(8, description="requests of one batch in flight at once (its lines wait their "
+                                                   "turn, so a batch cannot flood the request stream)")
+    batch_runs_per_gateway: int = Field(4, description="batches one gateway replica runs at once")
+    batch_lease_s: float = Field(10.0, description="a batch runner's lease; a replica that stops renewing it "
+                                                   "(or that liveness declares dead) loses the batch to another")
 
     @property
     def ws_max_size_bytes(self) -> int:

@@ -16,7 +16,10 @@ The rules (docs/transport.md):
   token is a duplicate (history and live overlap; a retried write) and is dropped. One that
   starts right after it is delivered. One that starts further on is held and the history is
   read, then the held events are offered again. One that starts before and ends after the last
-  delivered token cannot be split: that is a gap.
+  delivered token is cut there when that token is where the join began (a resume inside the
+  event: `TokEvent.tail` cuts ids, text by its per-token text lengths, logprobs); anywhere
+  else (events of one writer never overlap once delivery has moved on), or for an old event
+  that does not say where its text is cut, it is a gap.
 * A final whose `seq` is beyond the last delivered token waits for those tokens the same way.
 * An event whose epoch `ep` is below the highest seen came from a stale writer (a worker whose
   request another worker took over) and is dropped.
@@ -37,12 +40,13 @@ from shared.events import HISTORY_TYPES, ErrEvent, FinalEvent, HistoryEvent, Tok
 
 
 class StreamJoin:
-    __slots__ = ("rid", "delivered", "epoch", "final", "gap", "attaching", "reading", "wants_read", "stale",
+    __slots__ = ("rid", "delivered", "start", "epoch", "final", "gap", "attaching", "reading", "wants_read", "stale",
                  "_held", "_reads_started", "_reads_done")
 
     def __init__(self, delivered: int = 0, *, attaching: bool = False, rid: str = ""):
         self.rid = rid                 # the request's id (named in the final a gap makes)
         self.delivered = delivered     # last token seq handed out (a resume: what the client has)
+        self.start = delivered         # where the join began: the one point that may fall inside an event
         self.epoch = 0                 # highest writer epoch seen
         self.final: FinalEvent | None = None
         self.gap: str | None = None    # why the stream cannot go on exactly (then it has ended)
@@ -155,9 +159,14 @@ class StreamJoin:
             if seq <= self.delivered:
                 return                                      # a duplicate
             first = _first(ev)
-            if first <= self.delivered:
-                self._lose(f"an event with tokens {first}-{seq} overlaps the {self.delivered} tokens already "
-                           "delivered and cannot be split", out)
+            if first <= self.delivered:       # a resume inside the event: deliver its tail
+                cut = ev.tail(self.delivered) if self.delivered == self.start else None
+                if cut is None:
+                    self._lose(f"an event with tokens {first}-{seq} overlaps the {self.delivered} tokens already "
+                               "delivered and cannot be cut there", out)
+                else:
+                    self.delivered = seq
+                    out.append(cut)
             elif first > self.delivered + 1:
                 if from_history:    # the history itself skips tokens
                     self._lose(f"tokens {self.delivered + 1}-{first - 1} are missing from the request's history", out)
@@ -166,6 +175,12 @@ class StreamJoin:
                 self.delivered = seq
                 out.append(ev)
         elif ev.is_final:
+            if seq < self.start:    # a resume after more tokens than the request ever had
+                self.final = ErrEvent.here(self.rid, seq, ErrorCode.INVALID_REQUEST,
+                                           f"last_seq {self.start} is past the end of the request's output "
+                                           f"({seq} tokens)")
+                out.append(self.final)
+                return
             if seq > self.delivered:
                 if from_history:
                     self._lose(f"tokens {self.delivered + 1}-{seq} are missing from the request's history "
@@ -173,7 +188,6 @@ class StreamJoin:
                 return
             self.final = ev
             out.append(ev)
-
 
     def _lose(self, why: str, out: list[HistoryEvent]) -> None:
         """The stream cannot go on exactly: end it with a retryable error after what was delivered."""

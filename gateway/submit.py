@@ -28,7 +28,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.events import HISTORY_TYPES, HistoryEvent, decode_event
-from shared.streams import (ENTRY_FIELD, META_ATT, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str,
+from shared.streams import (ENTRY_FIELD, META_ATT, META_BG, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str,
                             encode_attach, encode_cancel)
 
 log = logging.getLogger("gateway.submit")
@@ -266,6 +266,10 @@ class Submitter:
         """Every event of rid's history after token `after_seq` (token events and the final)."""
         # token events are `{seq}-0`, the final `{seq}-1`: from `{after}-1` on is exactly "after"
         entries = await self.redis.xrange(self.keys.out(rid), min=f"{after_seq}-1", max="+")
+        if not entries and after_seq:
+            # nothing after it: a resume past the end of a finished output gets the final all
+            # the same (the join answers it), not a wait for tokens that will never come
+            entries = [e for e in await self.redis.xrevrange(self.keys.out(rid), count=1) if as_str(e[0]).endswith("-1")]
         events = (decode_event(fields[ENTRY_FIELD]) for _, fields in entries)
         return [ev for ev in events if isinstance(ev, HISTORY_TYPES)]
 
@@ -286,8 +290,22 @@ class Submitter:
             if not await self.redis.zrem(self.keys.orphans, member):
                 continue  # another replica took it
             rid, _, att = as_str(member).rpartition("|")
-            current = await self.redis.hget(self.keys.meta(rid), META_ATT)
-            if int(current or 0) == int(att):
+            current, background = await self.redis.hmget(self.keys.meta(rid), [META_ATT, META_BG])
+            if int(current or 0) == int(att) and not background:
                 await self.cancel(rid)
                 cancelled.append(rid)
         return cancelled
+
+    async def mark_background(self, rid: str) -> None:
+        """rid runs with nobody listening (a background response): no orphan sweep cancels it."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.meta(rid), META_BG, "1")
+            pipe.expire(self.keys.meta(rid), self.ttl)
+            await pipe.execute()
+
+    async def cancel_orphan(self, rid: str) -> bool:
+        """Cancel an orphan at once (no resume grace) unless it is a background response."""
+        if await self.redis.hget(self.keys.meta(rid), META_BG):
+            return False
+        await self.cancel(rid)
+        return True

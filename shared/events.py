@@ -45,7 +45,12 @@ class TokEvent:
     """Tokens `seq-n+1 .. seq` of a request (`seq` = tokens delivered so far); `text` may be ""
     while ids advance. `logprobs` (requests that ask): one entry per id, [token, logprob,
     [[token, logprob], ...top], text_offset] (worker.engine.logprobs). `prompt_tokens`: the
-    prompt's size (what a stream's running usage reports before `done`; 0: not sent)."""
+    prompt's size (what a stream's running usage reports before `done`; 0: not sent).
+    `lens`: per token, how many characters of `text` were released with it (0 while the
+    detokenizer holds bytes back; text that came with no id goes to the id before it, or to the
+    first id), so a resume can cut the event at any token (`tail`). On the wire (`tl`) only
+    when the event has more than one token, as a bin of one byte a token when every length
+    fits (else an array); None in events written before it existed."""
     KIND: ClassVar[str] = "tok"
     is_final: ClassVar[bool] = False
 
@@ -57,6 +62,7 @@ class TokEvent:
     ms: int                              # when the oldest of these tokens was produced (worker clock)
     logprobs: list | None = None
     prompt_tokens: int = 0
+    lens: list[int] | bytes | None = None     # bytes: as decoded from the wire (one length a byte)
 
     @property
     def n(self) -> int:
@@ -65,8 +71,20 @@ class TokEvent:
     def add_output(self, out) -> None:
         """Append one engine output's tokens (a worker.engine StepOutput: `token_ids`, `text`,
         `logprobs`): the one place that says how each per-token field accumulates into an event."""
-        self.ids.extend(out.token_ids)
-        self.text += out.text
+        ids, text = out.token_ids, out.text
+        lens = self.lens
+        if lens is None:
+            lens = self.lens = []
+        if ids:
+            # the output's text was released with its last id; text before the first id of
+            # this event (it came with no id) rides with that first id
+            lead = 0 if lens else len(self.text)
+            lens.extend([0] * (len(ids) - 1))
+            lens.append(lead + len(text))
+            self.ids.extend(ids)
+        elif text and lens:
+            lens[-1] += len(text)
+        self.text += text
         if out.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
@@ -84,18 +102,65 @@ class TokEvent:
             event["pt"] = self.prompt_tokens
         if self.logprobs is not None:
             event["lp"] = self.logprobs
+        lens = self.lens
+        if len(self.ids) > 1 and lens is not None and len(lens) == len(self.ids):
+            try:        # one byte a token (a bin decodes as one object, not a list of ints)
+                event["tl"] = bytes(lens)
+            except ValueError:      # a token released 256 characters or more
+                event["tl"] = lens
         return _pack(event)
+
+    def tail(self, after: int) -> "TokEvent | None":
+        """The tokens after token `after` (`first <= after < seq`) as an event of their own: ids,
+        text and logprobs cut at that token. None: the event cannot say where its text is cut
+        (written before `lens`, with text, and no logprobs whose tokens spell it out)."""
+        k = after - (self.seq - len(self.ids) + 1) + 1           # tokens to drop: 1 .. n-1
+        lens = self.lens
+        try:
+            cut = sum(lens[:k]) if len(lens) == len(self.ids) and sum(lens) == len(self.text) else None
+        except TypeError:       # None, or not a list of ints
+            cut = None
+        if cut is None:
+            lens = _lens_without_field(self)
+            if lens is None:
+                return None
+            cut = sum(lens[:k])
+        lp = self.logprobs
+        return TokEvent(self.rid, self.seq, self.ids[k:], self.text[cut:], self.epoch, self.ms,
+                        lp[k:] if lp is not None else None, self.prompt_tokens, lens[k:])
 
     @classmethod
     def from_map(cls, d: dict) -> "TokEvent":
         try:        # the hot path: a map our own encoder wrote
-            return cls(d["rid"], d["seq"], d["ids"], d["text"], d["ep"], d["ms"], d.get("lp"), d.get("pt", 0))
+            return cls(d["rid"], d["seq"], d["ids"], d["text"], d["ep"], d["ms"], d.get("lp"), d.get("pt", 0),
+                       d.get("tl"))
         except KeyError:
             pass
         ids = d.get("ids")
+        tl = d.get("tl")
         return cls(d.get("rid") or "", int(d.get("seq") or 0), ids if isinstance(ids, list) else [],
                    d.get("text") or "", int(d.get("ep") or 0), int(d.get("ms") or 0), d.get("lp"),
-                   int(d.get("pt") or 0))
+                   int(d.get("pt") or 0), tl if isinstance(tl, (list, bytes)) else None)
+
+
+def _lens_without_field(ev: TokEvent) -> list[int] | None:
+    """Per-token text lengths of an event that has no `lens` (one token; written before the field
+    existed): all 0 when it has no text, else those of its logprobs' token strings when they spell
+    its text exactly (no bytes held back across tokens); None when nothing says where to cut."""
+    n = len(ev.ids)
+    if n == 1:
+        return [len(ev.text)]
+    if not ev.text:
+        return [0] * n
+    lp = ev.logprobs
+    if lp is not None and len(lp) == n:
+        try:
+            pieces = [entry[0] for entry in lp]
+        except (TypeError, IndexError):
+            return None
+        if all(isinstance(p, str) for p in pieces) and "".join(pieces) == ev.text:
+            return [len(p) for p in pieces]
+    return None
 
 
 @dataclass(slots=True)

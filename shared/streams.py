@@ -20,6 +20,10 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{reg}:workers          | zset   | {reg}   | worker id -> last heartbeat ms                              |
 | p:{reg}:gateways         | zset   | {reg}   | gateway id -> last heartbeat ms                             |
 | p:{reg}:orphans          | zset   | {reg}   | "rid|att" -> deadline of a parked orphan                    |
+| p:{f:<id>}:file          | hash   | {f:id}  | a Batch API file: object, owner, bytes (gateway.batch)       |
+| p:{b:<id>}:batch|results|attempts|lease | hash, hash, hash, string | {b:id} | a batch, its answers, its retries, its runner |
+| p:{files}:<owner>, p:{batches}:<owner> | zset | {files}, {batches} | an owner's files / batches for listing |
+| p:{batches}:active       | zset   | {batches} | batches not final yet, which every gateway's runner picks from |
 
 Request entries carry one field `d` (msgpack of `RequestEntry`, which names its gateway `gw`).
 History entries carry `d` = msgpack of ONE event; inbox entries `d` = a msgpack LIST of events
@@ -48,6 +52,7 @@ META_OWNER = "owner"    # worker running the request (absent when none)
 META_LEASE = "lease"    # ms on Redis's clock until which owner's claim holds (refreshed by it; worker.ownership)
 META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
 META_ATT = "att"        # attach counter: bumped by every resume
+META_BG = "bg"          # "1": a background response (nobody need listen: never cancelled as an orphan)
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,10 @@ class Keys:
     def cancel(self, rid: str) -> str:
         return f"{self.prefix}:{{r:{rid}}}:cancel"
 
+    # ---- slot {resp:hex}: one stored Responses API response (gateway.openai.responses_store) ----
+    def response(self, hex_id: str) -> str:
+        return f"{self.prefix}:{{resp:{hex_id}}}:resp"
+
     # ---- slot {g:gw}: one gateway ----
     def inbox(self, gw: str) -> str:
         return f"{self.prefix}:{{g:{gw}}}:inbox"
@@ -108,6 +117,32 @@ class Keys:
     @property
     def orphans(self) -> str:
         return f"{self.prefix}:{{reg}}:orphans"
+
+    # ---- the Batch API (gateway.batch): slot {f:id} one file, {b:id} one batch ----
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:{{f:{file_id}}}:file"
+
+    def files(self, owner: str) -> str:
+        return f"{self.prefix}:{{files}}:{owner}"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:batch"
+
+    def batch_results(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:results"
+
+    def batch_attempts(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:attempts"
+
+    def batch_lease(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:lease"
+
+    def batches(self, owner: str) -> str:
+        return f"{self.prefix}:{{batches}}:{owner}"
+
+    @property
+    def batches_active(self) -> str:
+        return f"{self.prefix}:{{batches}}:active"
 
 
 @dataclass

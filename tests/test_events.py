@@ -190,3 +190,92 @@ def test_a_refused_field_is_named_by_the_protocol_error():
     with pytest.raises(ProtocolError) as info:
         parse_client_message({"type": "generate", "id": "a", "prompt": "x", "max_tokens": 0})
     assert info.value.param == "max_tokens"
+
+
+# ---- per-token text lengths: where a resume cuts an event (TokEvent.lens, `tl`) ----
+
+def _out(text, ids, lp=None):
+    from worker.engine import StepOutput
+    o = StepOutput("q", text, ids, False, None, 3, 0)
+    o.logprobs = lp
+    return o
+
+
+def _built(outputs) -> TokEvent:
+    ev = TokEvent("q", 0, [], "", 1, 0)
+    for o in outputs:
+        ev.add_output(o)
+    ev.seq = len(ev.ids)
+    return ev
+
+
+def test_an_event_says_how_much_text_each_token_released_and_is_cut_at_any_token():
+    outputs = [_out("Hel", [1]), _out("", [2]), _out("lo", [3]), _out("", [4]), _out("", [5]), _out("é", [6]),
+               _out("", [7, 8]), _out("!?", [9])]
+    ev = _built(outputs)
+    assert ev.text == "Helloé!?" and ev.lens == [3, 0, 2, 0, 0, 1, 0, 0, 2]
+    back = decode_event(ev.encode())
+    assert msgpack.unpackb(ev.encode())["tl"] == bytes(ev.lens)          # one byte a token on the wire
+    assert dataclasses.replace(back, lens=list(back.lens)) == ev
+    for after in range(1, 9):
+        cut = back.tail(after)
+        assert cut.ids == ev.ids[after:] and cut.seq == 9 and cut.first == after + 1
+        released_after = "".join(o.text for o in outputs if o.token_ids and o.token_ids[-1] > after)
+        assert cut.text == released_after and sum(cut.lens) == len(cut.text)
+
+
+def test_text_that_came_without_an_id_rides_with_a_neighbouring_token():
+    ev = _built([_out("a", []), _out("b", [1]), _out("c", [2]), _out("d", [])])
+    assert ev.lens == [2, 2] and ev.text == "abcd"
+    assert ev.tail(1).text == "cd"
+
+
+def test_a_token_that_released_256_characters_or_more_sends_the_lengths_as_an_array():
+    ev = _built([_out("a" * 300, [1]), _out("b", [2])])
+    assert msgpack.unpackb(ev.encode())["tl"] == [300, 1]
+    assert decode_event(ev.encode()).tail(1).text == "b"
+
+
+def test_a_one_token_event_carries_no_lengths_on_the_wire():
+    ev = _built([_out("x", [1])])
+    assert "tl" not in msgpack.unpackb(ev.encode())
+    assert ev.encode() == old_encode_tok("q", 1, [1], "x", 1, 0)
+
+
+def test_logprobs_are_cut_with_the_tokens():
+    lp = [["a", -0.1, [], 0], ["b", -0.2, [], 1], ["c", -0.3, [], 2]]
+    ev = _built([_out("a", [1], lp[:1]), _out("b", [2], lp[1:2]), _out("c", [3], lp[2:])])
+    cut = decode_event(ev.encode()).tail(1)
+    assert cut.logprobs == lp[1:] and cut.text == "bc"
+
+
+def test_an_event_written_before_the_lengths_is_cut_only_where_it_can_be():
+    old = decode_event(old_encode_tok("q", 4, [1, 2, 3, 4], "abcd", 1, 0))
+    assert old.lens is None and old.tail(2) is None           # text, nothing says where: refused
+    assert decode_event(old_encode_tok("q", 3, [1, 2, 3], "", 1, 0)).tail(1).ids == [2, 3]
+    lp = [["a", -0.1, [], 0], ["bc", -0.2, [], 1], ["d", -0.3, [], 3]]
+    with_lp = decode_event(old_encode_tok("q", 3, [1, 2, 3], "abcd", 1, 0, lp))
+    assert with_lp.tail(1).text == "bcd" and with_lp.tail(2).text == "d"     # its tokens spell the text
+    lp_bytes = [["<0xC3>", -0.1, [], 0], ["é", -0.2, [], 6], ["d", -0.3, [], 7]]
+    assert decode_event(old_encode_tok("q", 3, [1, 2, 3], "éd", 1, 0, lp_bytes)).tail(1) is None
+    bad = TokEvent("q", 2, [1, 2], "abc", 1, 0, None, 0, [1, 1])               # lengths that do not add up
+    assert bad.tail(1) is None
+
+
+def test_a_real_detokenizer_with_multibyte_characters_cuts_at_every_token(tokenizer):
+    """The worker's own streaming detokenizer on text whose characters span several byte tokens
+    (their text is empty until the last byte comes): cut after any token, an event gives exactly
+    the text the detokenizer released after it."""
+    from worker.engine.detokenize import IncrementalDetokenizer
+    text = "naïve café — 日本語の文字 🎉🚀 ok…"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for stop in ([], ["文字 "]):
+        detok = IncrementalDetokenizer(tokenizer, [], stop)
+        released = [detok.add(t) for t in ids]
+        released[-1] += detok.finish()
+        assert any(r == "" for r in released)       # some tokens released nothing (held-back bytes)
+        ev = _built([_out(r, [t]) for r, t in zip(released, ids)])
+        assert ev.text == "".join(released)
+        back = decode_event(ev.encode())
+        for after in range(1, len(ids)):
+            assert back.tail(after).text == "".join(released[after:]), (stop, after)

@@ -216,3 +216,77 @@ def test_oversized_frames_get_frame_too_large(probes, size, binary):
     check_typed(obj, replies)
     if len(frame) > MAX_FRAME:
         assert [r["code"] for r in replies] == ["frame_too_large"], replies
+
+
+# ---------------------------------------------------------------- resume points (issue 34 item 7)
+
+async def test_random_resume_points_are_exact_and_harm_no_other_client(redis_server, redis_client):
+    """A finished request's history of multi-token events (multi-byte text, held-back bytes, an
+    event written before per-token lengths existed with no text), resumed at random points —
+    inside events, at their boundaries, past the end, with wrong ids — on fresh sockets and on
+    one reused socket: each answer is typed, a resume within the output gets exactly the rest,
+    a bystander socket keeps answering, and no Redis key is left behind by the resumes."""
+    import random
+    import uuid
+
+    from shared.events import DoneEvent, DoneUsage, TokEvent
+    from shared.streams import ENTRY_FIELD, Keys, history_id
+    from tests.gateway_client import GatewayClient
+    from tests.stack_fixtures import gateway_settings
+    from tests.worker_redis import silent_worker
+
+    rng = random.Random(34)
+    keys = Keys(f"fzr{uuid.uuid4().hex[:8]}")
+    await silent_worker(redis_client, keys)
+    async with gateway_in_process(gateway_settings(redis_server.url, keys.prefix, resume_rate_per_min=0,
+                                                   resume_grace_s=30)) as gw:
+        owner = await GatewayClient.connect(gw.ws_url)
+        rid = await owner.generate("g", prompt="x", max_tokens=64)
+        pieces = ["Zü", "", "rich", " 東", "", "京", " ", "🎉", "", "", "ok", "…", "e\u0301", "!"]
+        per_token, events, seq = [], [], 0
+        while seq < 48:
+            n = rng.randint(1, 7)
+            texts = [rng.choice(pieces) for _ in range(n)]
+            old = not any(texts) and rng.random() < 0.5        # an old event: no lengths (and no text)
+            seq += n
+            ev = TokEvent(rid, seq, list(range(seq - n + 1, seq + 1)), "".join(texts), 1, 0, None, 0,
+                          None if old else [len(t) for t in texts])
+            events.append(ev)
+            per_token += texts
+            await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: ev.encode()}, id=history_id(seq, False))
+        await redis_client.xadd(keys.out(rid), {ENTRY_FIELD: DoneEvent(rid, seq, "stop", DoneUsage(1, seq), 1, 0).encode()},
+                                id=history_id(seq, True))
+        bystander = await GatewayClient.connect(gw.ws_url)
+        reused = await GatewayClient.connect(gw.ws_url)
+        before = None
+        for i in range(80):
+            last = rng.choice([rng.randint(0, seq), rng.randint(0, seq), seq + rng.randint(1, 5), 10**6])
+            wrong = rng.random() < 0.1
+            c = reused if i % 3 == 0 else await GatewayClient.connect(gw.ws_url)
+            cid = f"r{i}"
+            await c.send(type="resume", id=cid, last_seq=last, request_id=uuid.uuid4().hex if wrong else rid)
+            first = await c.recv(cid, timeout=30)
+            if wrong:
+                assert first["type"] == "error" and first["code"] == "resume_expired", first
+            else:
+                assert first["type"] == "accepted", first
+                rest, fin = await c.until_done(cid, timeout=30)
+                assert fin["type"] in ("done", "error"), fin
+                if last <= seq:
+                    assert fin["type"] == "done" and fin["seq"] == seq and "error" not in fin, (last, fin)
+                    assert "".join(ch["text"] for ch in rest) == "".join(per_token[last:]), (last, rest)
+                    assert sum(ch["tokens"] for ch in rest) == seq - last
+                else:                   # more tokens than the request ever had: a typed refusal
+                    assert not rest and (fin.get("error") or {}).get("code") == "invalid_request", (last, seq, fin)
+            if c is not reused:
+                await c.close()
+            await bystander.send(type="ping", nonce=i)
+            pong = await bystander.recv(timeout=10)
+            assert (pong["type"], pong["nonce"]) == ("pong", i), pong
+            if before is None:
+                before = set(await redis_client.keys(keys.prefix + "*"))
+        after = set(await redis_client.keys(keys.prefix + "*"))
+        assert after <= before, f"keys the resumes left behind: {sorted(after - before)}"
+        await reused.close()
+        await bystander.close()
+        await owner.close()

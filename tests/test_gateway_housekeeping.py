@@ -67,7 +67,8 @@ async def test_each_duty_has_its_own_interval():
 def test_the_gateway_duties_are_the_ones_metrics_count():
     s = GatewaySettings(request_stall_s=5)
     watch = CancelWatch(GatewayMetrics(), expire_s=1)
-    duties = gateway_duties(s, sessions=None, cancel_watch=watch, submitter=None, liveness=None, router=None, metrics=None, read_backlog=None)
+    duties = gateway_duties(s, sessions=None, cancel_watch=watch, submitter=None, liveness=None, router=None,
+                            metrics=None, read_backlog=None, batches=lambda now: None)
     assert [d.name for d in duties] == list(HOUSEKEEPING_DUTIES)
     assert {d.name: d.interval_s for d in duties}["liveness"] == s.gateway_heartbeat_s
     assert {d.name: d.interval_s for d in duties}["leases"] == pytest.approx(s.concurrency_lease_s / 3)

@@ -545,8 +545,122 @@ async def p_response_format(ctx: Ctx, _=None) -> str:
         await ctx.chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}})
     assert info.value.body["param"] == "response_format"
     return "yes"
-ROUTES = ["/v1/embeddings", "/v1/responses", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech",
-          "/v1/files", "/v1/batches"]
+
+# ---- the Responses API (docs/clients.md, "Responses API")
+
+async def responses_finished(ctx: Ctx, resp_id: str):
+    polls = []
+
+    async def ended():
+        polls.append(await ctx.client.responses.retrieve(resp_id))
+        return polls[-1].status not in ("queued", "in_progress")
+    assert await eventually(ended, timeout=60, interval=0.1), polls[-1].status
+    return polls[-1]
+
+
+async def p_responses_create(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0)
+    assert r.object == "response" and r.output_text == ctx.chat_text and r.usage.output_tokens == 6
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    events = [e async for e in await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6,
+                                                                  temperature=0, stream=True)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ctx.chat_text
+    return "yes"
+
+
+async def p_responses_retrieve(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0)
+    assert (await ctx.client.responses.retrieve(r.id)).model_dump() == r.model_dump()
+    return "yes"
+
+
+async def p_responses_background(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0,
+                                          background=True)
+    assert r.status == "queued"
+    assert (await responses_finished(ctx, r.id)).output_text == ctx.chat_text
+    every = [e async for e in await ctx.client.responses.retrieve(r.id, stream=True)]
+    rest = [e async for e in await ctx.client.responses.retrieve(r.id, stream=True, starting_after=3)]
+    assert [e.model_dump() for e in rest] == [e.model_dump() for e in every[4:]] and rest
+    return "yes"
+
+
+async def p_responses_cancel(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=2000, background=True)
+    assert (await ctx.client.responses.cancel(r.id)).status == "cancelled"
+    assert (await responses_finished(ctx, r.id)).status == "cancelled"
+    return "yes"
+
+
+async def p_responses_delete(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=2)
+    await ctx.client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        await ctx.client.responses.retrieve(r.id)
+    return "yes"
+
+
+async def p_responses_input_items(ctx: Ctx, _=None) -> str:
+    r = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=2)
+    items = await ctx.client.responses.input_items.list(r.id)
+    assert [i.content[0].text for i in items.data] == [CHAT[0]["content"]]
+    return "yes"
+
+
+async def p_previous_response_id(ctx: Ctx, _=None) -> str:
+    first = await ctx.client.responses.create(model=MODEL, input=CHAT, max_output_tokens=6, temperature=0)
+    more = {"role": "user", "content": "And then?"}
+    second = await ctx.client.responses.create(model=MODEL, input=[more], previous_response_id=first.id,
+                                               max_output_tokens=6, temperature=0)
+    whole = await ctx.chat(messages=[*CHAT, {"role": "assistant", "content": first.output_text}, more])
+    assert second.output_text == whole.choices[0].message.content
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    return "yes"
+
+
+ROUTES = ["/v1/embeddings", "/v1/moderations", "/v1/images/generations", "/v1/audio/speech"]
+
+
+async def p_batch(ctx: Ctx, _=None) -> str:
+    """The Batch API end to end through the SDK: upload (and a malformed upload refused per line),
+    create, poll, the output file, list, retrieve, cancel, delete (tests/test_openai_batch.py
+    checks each in depth)."""
+    import io
+    line = {"custom_id": "c0", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0}}
+    try:
+        await ctx.client.files.create(file=("bad.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        return "malformed file accepted"
+    except openai.BadRequestError as exc:
+        assert exc.body["code"] == "invalid_batch_file" and exc.body["lines"][0]["line"] == 1, exc.body
+    upload = await ctx.client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")),
+                                           purpose="batch")
+    assert (await ctx.client.files.retrieve(upload.id)).bytes == upload.bytes
+    batch = await ctx.client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+
+    async def done() -> bool:
+        return (await ctx.client.batches.retrieve(batch.id)).status == "completed"
+    assert await eventually(done, timeout=60, interval=0.2)
+    batch = await ctx.client.batches.retrieve(batch.id)
+    assert batch.request_counts.completed == 1
+    (answer,) = [json.loads(x) for x in (await ctx.client.files.content(batch.output_file_id)).text.splitlines()]
+    assert answer["custom_id"] == "c0" and answer["response"]["body"]["choices"][0]["message"]["content"] == \
+        ctx.chat_text, answer
+    assert batch.id in [b.id async for b in ctx.client.batches.list(limit=5)]
+    assert upload.id in [f.id async for f in ctx.client.files.list()]
+    other = await ctx.client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+    assert (await ctx.client.batches.cancel(other.id)).status in ("cancelling", "cancelled")
+    assert (await ctx.client.files.delete(upload.id)).deleted
+    try:
+        await ctx.client.files.retrieve(upload.id)
+        return "a deleted file is still there"
+    except openai.NotFoundError:
+        return "yes"
+
 
 PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "POST /v1/chat/completions": p_chat,
@@ -554,6 +668,9 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "GET /v1/models": p_models,
     "GET /v1/models/{model}": p_model_retrieve,
     **{path: route(path) for path in ROUTES},
+    **{path: p_batch for path in ("POST /v1/files", "GET /v1/files", "GET /v1/files/{id}", "GET /v1/files/{id}/content",
+                                  "DELETE /v1/files/{id}", "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{id}",
+                                  "POST /v1/batches/{id}/cancel")},
     "model": p_model,
     "stream": p_stream,
     "stream_options.include_usage": p_include_usage,
@@ -624,6 +741,14 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "x-request-id": p_request_id,
     "error": p_errors,
     "context_too_long": p_context_too_long,
+    "POST /v1/responses": p_responses_create,
+    "GET /v1/responses/{id}": p_responses_retrieve,
+    "GET /v1/responses/{id}?stream=true&starting_after=N": p_responses_background,
+    "background": p_responses_background,
+    "POST /v1/responses/{id}/cancel": p_responses_cancel,
+    "DELETE /v1/responses/{id}": p_responses_delete,
+    "GET /v1/responses/{id}/input_items": p_responses_input_items,
+    "previous_response_id": p_previous_response_id,
 }
 
 

@@ -9,9 +9,16 @@ from shared.errors import ErrorCode
 from shared.events import DoneEvent, ErrEvent, HistoryEvent, TokEvent
 
 
-def tok(seq: int, n: int = 1, ep: int = 1) -> TokEvent:
-    return TokEvent("r", seq, list(range(seq - n + 1, seq + 1)), "".join(f"<{i}>" for i in range(seq - n + 1, seq + 1)),
-                    ep, 0)
+def tok(seq: int, n: int = 1, ep: int = 1, *, lens: bool = True) -> TokEvent:
+    """Tokens seq-n+1..seq, token i's text "<i>" (with per-token text lengths unless `lens` is
+    False: an event written before they existed)."""
+    texts = [f"<{i}>" for i in range(seq - n + 1, seq + 1)]
+    return TokEvent("r", seq, list(range(seq - n + 1, seq + 1)), "".join(texts), ep, 0, None, 0,
+                    [len(t) for t in texts] if lens else None)
+
+
+def texts(events: list[HistoryEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokEvent))
 
 
 def done(seq: int, ep: int = 1) -> DoneEvent:
@@ -119,10 +126,48 @@ def test_unreadable_history_is_a_gap():
     assert seqs(out) == [("err", 4)] and lost(out, j)
 
 
-def test_an_event_overlapping_what_was_delivered_cannot_be_split():
-    j = StreamJoin(3)                                 # e.g. a resume from a seq inside an event
-    out = j.live(tok(5, 4))
-    assert lost(out, j) and "overlaps" in j.gap
+def test_a_resume_inside_an_event_gets_the_events_tail():
+    history = [tok(2, 2), tok(6, 4), done(6)]
+    j = StreamJoin(3, attaching=True)                 # the client has tokens 1-3: inside 3-6
+    j.marker()
+    out = j.history(history_after(history, j.start_read()))
+    assert seqs(out) == [("tok", 6), ("done", 6)] and j.gap is None
+    assert out[0].ids == [4, 5, 6] and out[0].text == "<4><5><6>" and out[0].lens == [3, 3, 3]
+    assert history[1].ids == [3, 4, 5, 6]            # the history's event itself is left whole
+
+
+def test_a_live_event_around_the_resume_point_is_cut_too():
+    j = StreamJoin(3)
+    out = j.live(tok(5, 4)) + j.live(tok(7, 2)) + j.live(done(7))
+    assert texts(out) == "<4><5><6><7>" and seqs(out) == [("tok", 5), ("tok", 7), ("done", 7)]
+
+
+def test_an_old_event_with_text_and_no_lengths_inside_is_a_gap_at_its_boundary_it_is_not():
+    j = StreamJoin(3)
+    out = j.live(tok(5, 4, lens=False))
+    assert lost(out, j) and "overlaps" in j.gap and j.delivered == 3
+    j = StreamJoin(1)                                 # at its boundary: delivered whole
+    out = j.live(tok(5, 4, lens=False))
+    assert texts(out) == "<2><3><4><5>" and j.gap is None
+    j = StreamJoin(3)                                 # no text to cut: ids alone are cut
+    out = j.live(TokEvent("r", 5, [2, 3, 4, 5], "", 1, 0))
+    assert out[0].ids == [4, 5] and j.gap is None
+
+
+def test_a_resume_past_the_end_of_the_output_is_refused_not_left_waiting():
+    j = StreamJoin(9, attaching=True)
+    j.marker()
+    j.start_read()
+    out = j.history([done(6)])                        # what a read past the end returns: the final
+    assert j.ended and j.gap is None and isinstance(out[-1], ErrEvent) and out[-1].code == "invalid_request"
+
+
+def test_an_overlap_after_the_resume_point_is_still_a_gap():
+    """Only the point where the join began may fall inside an event; an event overlapping tokens
+    delivered since would splice two writers' outputs."""
+    j = StreamJoin()
+    out = j.live(tok(3, 3)) + j.live(tok(5, 3))
+    assert lost(out, j) and j.delivered == 3
 
 
 def test_a_final_with_tokens_missing_in_history_is_a_gap():
@@ -181,7 +226,7 @@ def test_random_interleavings_deliver_every_token_once_in_order_or_end_with_a_ga
             events.append(tok(seq, n, ep=1 if i < switch else 2))
         events.append(done(seq, ep=2 if len(events) > switch else 1))
         bounds = [0] + [e.seq for e in events if isinstance(e, TokEvent)]
-        start = rng.choice(bounds)                    # resume from an event boundary
+        start = rng.randrange(seq + 1)                # resume from any token, inside an event or not
         lost_before = rng.choice([0] * 3 + bounds)    # the history lost everything up to here
         history = [e for e in events if not isinstance(e, TokEvent) or e.seq - e.n >= lost_before]
         live = []
@@ -218,7 +263,8 @@ def test_random_interleavings_deliver_every_token_once_in_order_or_end_with_a_ga
                 pending_read = j.start_read()
             out += j.history(history_after(history, pending_read))
             pending_read = None
-        expected = [e for e in events if not isinstance(e, TokEvent) or e.seq > start]
+        expected = [e if not isinstance(e, TokEvent) or e.first > start else e.tail(start)
+                    for e in events if not isinstance(e, TokEvent) or e.seq > start]
         if j.gap is None:
             assert out == expected, (case, start, lost_before, seqs(out), seqs(expected))
         else:

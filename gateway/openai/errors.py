@@ -96,7 +96,7 @@ async def http_exception(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
     if exc.status_code == 404:
         error = APIError(404, f"Invalid URL ({request.method} {path}): no such endpoint (this server serves "
-                              "/v1/chat/completions, /v1/completions, /v1/models, /v1/streams/{id}; see "
+                              "/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /v1/streams/{id}; see "
                               "docs/clients.md)", code="not_found")
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")

@@ -13,8 +13,11 @@ from typing import Awaitable, Callable
 from starlette.requests import Request
 
 from gateway.auth import KeyChecker, bearer_token
+from gateway.batch.files import FileStore
+from gateway.batch.store import BatchStore
 from gateway.metrics import GatewayMetrics
 from gateway.openai.errors import APIError
+from gateway.openai.responses_store import ResponseStore
 from gateway.openai.session import HttpSession
 from gateway.request_core import RequestCore
 from gateway.settings import GatewaySettings
@@ -30,6 +33,9 @@ class HttpFront:
     metrics: GatewayMetrics
     http_session: Callable[[], HttpSession]             # a new session (request table, sender, watchdogs)
     ask_worker: Callable[[str, dict], Awaitable[TokenizeReply]]  # a request/reply with a live worker (tokenize)
+    responses: ResponseStore                            # stored Responses API responses
+    files: FileStore                                    # the Batch API's files (gateway.batch)
+    batches: BatchStore                                 # the Batch API's batch objects
 
     @staticmethod
     def of(request: Request) -> "HttpFront":

@@ -61,15 +61,21 @@ class RunRequest(Response):
         self.continuous_usage = continuous_usage and include_usage and stream
         self.model, self.stream, self.include_usage, self.resumable = model, stream, include_usage, resumable
         self.background = None
+        self.out: OpenAIResponse | None = None
+
+    def writer(self, send: Send, headers: list[tuple[bytes, bytes]]) -> OpenAIResponse:
+        """The response the session writes to (the Responses API's is a subclass)."""
+        req = self.req
+        return OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
+                              include_usage=self.include_usage, role_chunk=req.seq == 0, tools=self.tools,
+                              prompt_tokens=(lambda: req.prompt_tokens) if self.continuous_usage else None,
+                              headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         req, conn = self.req, self.session
-        request_id = req.rid.encode()
-        out = OpenAIResponse(send, oai_id=req.client_id, model=self.model, stream=self.stream,
-                             include_usage=self.include_usage, role_chunk=req.seq == 0, tools=self.tools,
-                             prompt_tokens=(lambda: req.prompt_tokens) if self.continuous_usage else None, headers=[
-                                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                 (b"x-accel-buffering", b"no"), (b"x-request-id", request_id)])
+        out = self.out = self.writer(send, [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                                            (b"x-request-id", req.rid.encode())])
         disconnect = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         ended = asyncio.get_running_loop().create_task(out.ended.wait())
         gone = False

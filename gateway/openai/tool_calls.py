@@ -22,6 +22,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import Callable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -49,8 +50,9 @@ class _Call:
 class ToolCallParser:
     """Feed the answer's text pieces; get (content, [tool call deltas]) to send for each."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, call_id: Callable[[int], str] | None = None):
         self.mode = mode
+        self.call_id = call_id              # the id of call i (default: random; the Responses API derives them)
         self.buf = ""
         self.calls: list[_Call] = []
         self.content: list[str] = []
@@ -99,6 +101,8 @@ class ToolCallParser:
             except ValueError:
                 return False
             call = self._call = _Call(len(self.calls), name, m.end())
+            if self.call_id is not None:
+                call.id = self.call_id(call.index)
             self.calls.append(call)
             deltas[call.index] = {"index": call.index, "id": call.id, "type": "function",
                                   "function": {"name": name, "arguments": ""}}

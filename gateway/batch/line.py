@@ -1,0 +1,121 @@
+"""One batch line through the request core, on the batch lane, answered exactly once.
+
+A line is a generate like any HTTP request's (the same body parsing, caps, admission, per-key
+limits, the same session, `Sender` and non-streamed OpenAI response), with two differences:
+`priority: "batch"` (the lane that yields to interactive traffic) and an idempotency key made of
+the batch id, the line's index and its attempt. A replica that takes a batch over (gateway.batch
+.runner) sends the line again: the key re-attaches it to the request the first replica started,
+from its first token, so nothing runs twice. Its answer is recorded with HSETNX
+(gateway.batch.store), so nothing is answered twice either.
+
+`run` returns whether the line is answered. Not answered: refused before it started for a reason
+that passes (rate, concurrency, overload, Redis), or cut off by this replica's drain or by
+another replica taking it over; the runner tries it again later (or leaves it to the new holder).
+A request that ended with a retryable failure (worker lost, stalled, output lost) or was
+cancelled without the batch being cancelled runs again under the next attempt's key, up to
+MAX_ATTEMPTS; a refusal or a final failure is the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import Callable
+
+from redis.exceptions import RedisError
+
+from gateway.batch.files import BatchLine
+from gateway.batch.store import BatchStore
+from gateway.openai import structured
+from gateway.openai.errors import CANCELLED_CODE, APIError
+from gateway.openai.response import CHAT_PREFIX, TEXT_PREFIX, OpenAIResponse
+from gateway.openai.schema import parse_body
+from gateway.openai.session import HttpSession
+from gateway.request_core import RequestCore
+from shared.errors import RETRYABLE, ErrorCode, ProtocolError
+from shared.protocol import parse_client_message
+
+MAX_ATTEMPTS = 3
+# ended without an answer to record: another session (a replica that took the batch over) has it
+NOT_AN_ANSWER = {ErrorCode.RESUMED_ELSEWHERE.value, ErrorCode.SHUTTING_DOWN.value}
+
+
+async def _discard(message: dict) -> None:     # a batch line's response goes to Redis, not to a socket
+    pass
+
+
+class LineRunner:
+    def __init__(self, core: RequestCore, http_session: Callable[[], HttpSession], store: BatchStore,
+                 model: str):
+        self.core = core
+        self.http_session = http_session
+        self.store = store
+        self.model = model
+
+    async def run(self, batch_id: str, key_id: str, line: BatchLine, cancelled: asyncio.Event) -> bool:
+        """Run `line` of `batch_id` for `key_id` to its recorded answer (True), or give up for now
+        (False). `cancelled`: the batch is being cancelled (an in-flight request is cancelled too)."""
+        chat = line.url == "/v1/chat/completions"
+        try:
+            body, fields = parse_body(json.dumps(line.body).encode(), chat)
+            if body.model != self.model:
+                raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{self.model}'",
+                               code="model_not_found", param="model")
+            if body.stream:
+                raise APIError(400, "'stream' is not supported in a batch (the answer goes to the output file)",
+                               param="stream")
+        except APIError as exc:
+            return await self._answer(batch_id, line, exc.status, exc.body(), rid=None)
+        attempt = await self.store.attempt(batch_id, line.index)
+        prefix = CHAT_PREFIX if chat else TEXT_PREFIX
+        rid = secrets.token_hex(16)
+        fields.update(priority="batch", idempotency_key=f"{batch_id}:{line.index}:{attempt}")
+        msg = parse_client_message({"type": "generate", "id": prefix + rid, **fields})
+        session = self.http_session()
+        try:
+            req = await self.core.start_or_attach(session.requests, key_id, msg, rid=rid, accept=lambda r: None,
+                                                  attach_as=lambda first: prefix + first)
+        except ProtocolError as exc:
+            if exc.code in RETRYABLE:
+                return False
+            error = APIError.from_code(exc.code, exc.message)
+            return await self._answer(batch_id, line, error.status, error.body(), rid=None)
+        except (RedisError, OSError):
+            return False
+        out = OpenAIResponse(_discard, oai_id=req.client_id, model=self.model, stream=False, include_usage=False,
+                             role_chunk=False, tools=structured.parser_for(body))
+        ended = asyncio.ensure_future(out.ended.wait())
+        cancel = asyncio.ensure_future(cancelled.wait())
+        try:
+            session.stream(out, req, heartbeats=False)
+            await asyncio.wait([ended, cancel], return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done():      # the batch is cancelled: so is its request (the worker stops)
+                await self.core.cancel(session.requests, req, "batch")
+                await ended
+        finally:
+            ended.cancel()
+            cancel.cancel()
+            await session.end()       # unfinished (a drain): parked for the replica that takes over
+        if out.done is None:
+            return False
+        error = out.api_error()
+        if error is not None and error.code in NOT_AN_ANSWER:
+            return False
+        # a retryable failure, or a cancel the batch did not ask for (an orphan nobody re-attached
+        # to in time): the line runs again under its next attempt's key
+        again = error is not None and (error.code in RETRYABLE or (error.code == CANCELLED_CODE
+                                                                   and not cancelled.is_set()))
+        if again and attempt + 1 < MAX_ATTEMPTS:
+            await self.store.attempt(batch_id, line.index, bump=True)
+            return False
+        status, answer = out.body()
+        return await self._answer(batch_id, line, status, answer, rid=req.rid)
+
+    async def _answer(self, batch_id: str, line: BatchLine, status: int, body: dict, *, rid: str | None) -> bool:
+        request_id = rid or secrets.token_hex(16)
+        await self.store.record(batch_id, line.index, {
+            "id": "batch_req_" + request_id, "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None},
+            ok=status == 200)
+        return True
