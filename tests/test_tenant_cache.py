@@ -83,6 +83,15 @@ async def test_tenants_share_no_cached_blocks_unless_they_agree_on_a_salt(redis_
             model=gw.settings.served_model_name, max_tokens=2, temperature=0, messages=messages("Hello?"),
             extra_body={"cache_salt": "nobody-else"})
         assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+        # the Responses API takes the same field: B's response under the shared salt hits A's blocks
+        shared = await client(KEY_B).responses.create(
+            model=gw.settings.served_model_name, max_output_tokens=2, temperature=0, instructions=SYSTEM,
+            input="And ledger 8?", extra_body={"cache_salt": "team-shared"})
+        assert shared.usage.input_tokens_details.cached_tokens >= 100
+        alone = await client(KEY_B).responses.create(
+            model=gw.settings.served_model_name, max_output_tokens=2, temperature=0, instructions=SYSTEM,
+            input="And ledger 8?", extra_body={"cache_salt": "another-team"})
+        assert alone.usage.input_tokens_details.cached_tokens == 0
 
 
 def test_route_keys_are_scoped_like_the_cache():

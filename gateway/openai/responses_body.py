@@ -15,7 +15,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openai import structured
 from gateway.openai.errors import APIError, _unsupported
@@ -51,6 +51,7 @@ class ResponsesBody(BaseModel):
     top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)   # as chat's: prefix-cache scope (gateway.cache_scope)
     metadata: dict[str, str] | None = None
     # accepted and ignored (as chat's IGNORED)
     user: str | None = None
@@ -218,7 +219,7 @@ def generate_fields(body: ResponsesBody, history: list[dict]) -> tuple[dict, lis
         fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     for name, value in (("max_tokens", body.max_output_tokens), ("temperature", body.temperature),
                         ("top_p", body.top_p), ("priority", body.priority),
-                        ("prompt_cache_key", body.prompt_cache_key)):
+                        ("prompt_cache_key", body.prompt_cache_key), ("cache_salt", body.cache_salt)):
         if value is not None:
             fields[name] = value
     return fields, conversation, tool_mode(shaped.tools, shaped.tool_choice)
