@@ -159,3 +159,13 @@ def test_the_engine_thread_and_the_engine_process_are_both_engine_clients():
                 params = list(inspect.signature(getattr(client, name)).parameters)
                 assert params[:len(inspect.signature(want).parameters) - 1] == \
                     list(inspect.signature(want).parameters)[1:], (type(client).__name__, name, params)
+
+
+def test_placement_spreads_claimed_entries_over_the_room_peers_have_and_keeps_the_rest():
+    from worker.intake.placement import assign
+    moves, left = assign(list("abcdef"), {"p": 3, "q": 1, "full": 0})
+    assert [item for item, _ in moves] == list("abcd") and left == ["e", "f"]
+    assert sorted(peer for _, peer in moves) == ["p", "p", "p", "q"]     # none past its room
+    assert moves[0][1] == "p"                                            # the most room first
+    assert assign(list("ab"), {}) == ([], ["a", "b"])
+    assert assign([], {"p": 2}) == ([], [])

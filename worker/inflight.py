@@ -33,6 +33,7 @@ class Stats:
     dropped: int = 0       # stopped here because another worker took them over
     yielded: int = 0       # delivered to us, but another worker held them: left to it untouched
     forwarded: int = 0     # routed to another live worker with room (its cache): handed to it
+    placed: int = 0        # claimed, but handed to a live worker with room: it could not start here
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -76,6 +76,7 @@ class Leases:
             kept.append(st)
             if verdict == 1 and self.table.holds(st) and not st.engine_done:
                 self.engine.submit(Cancel(st.rid, received_at=time.time()))
+        kept = [st for st in kept if self.table.holds(st)]   # not one handed over meanwhile
         if kept:
             # an entry another consumer claimed comes back to us (that worker found our lease
             # alive and left the request to us); our own get their idle time reset

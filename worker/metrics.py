@@ -217,6 +217,8 @@ class _ScrapeCollector:
                        getattr(stats, "continued", 0))
         yield _counter("worker_claims", "entries taken over from other workers (dead, handed back)",
                        getattr(stats, "claimed", 0))
+        yield _counter("worker_claims_placed", "claimed entries handed to a live worker with room: they could not "
+                       "start here", getattr(stats, "placed", 0))
         yield _counter("worker_dead_letters", "entries dead-lettered", getattr(stats, "dead", 0))
         yield _counter("worker_route_forwards", "entries routed to another live worker with room (its prefix "
                        "cache), handed to it", getattr(stats, "forwarded", 0))

@@ -144,19 +144,23 @@ class Ownership:
 
     async def take(self, rid: str, *, key_id: str = "", gw: str = "", whole_history: bool = True
                    ) -> Taken | Held | Finished:
+        keys, args = self._take_call(rid, key_id, gw, whole_history)
+        return _took(await self._call(self._take, keys, args))
+
+    async def take_many(self, requests: list[tuple[str, str, str]]) -> list[Taken | Held | Finished]:
+        """`take` of each (rid, key_id, gw) with its whole history, in one pipeline (a claim of
+        many entries pays one round trip, not one each). A refusal raises, as `take` does."""
+        replies = await self._pipelined(self._take, [self._take_call(rid, key_id, gw, True)
+                                                     for rid, key_id, gw in requests])
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
+        return [_took(r) for r in replies]
+
+    def _take_call(self, rid: str, key_id: str, gw: str, whole_history: bool) -> tuple[list, list]:
         k = self.keys
-        reply = await self._call(self._take, [k.meta(rid), k.out(rid), k.cancel(rid)],
-                                 [self.worker_id, self.lease_ms, self.settings.output_ttl_s, key_id, gw,
-                                  int(whole_history)])
-        kind = as_str(reply[0])
-        if kind == "FINISHED":
-            return Finished()
-        if kind == "HELD":
-            return Held(as_str(reply[1]), int(reply[2]), int(reply[3]))
-        _, epoch, meta_gw, att, cancelled, raw_history = reply
-        return Taken(epoch=int(epoch), gw=as_str(meta_gw) if meta_gw else "", att=int(att or 0),
-                     cancelled=bool(cancelled),
-                     history=[ev for ev in map(_event, raw_history) if ev is not None])
+        return ([k.meta(rid), k.out(rid), k.cancel(rid)],
+                [self.worker_id, self.lease_ms, self.settings.output_ttl_s, key_id, gw, int(whole_history)])
 
     async def keep(self, states: list[InFlight]) -> list[int]:
         """One keep-fresh round for `states`: per request -1 (taken over: its epoch moved on),
@@ -204,6 +208,18 @@ class Ownership:
                 return replies
             await self.load()
         raise RedisConnectionError("the ownership scripts keep disappearing from Redis (restarting?)")
+
+
+def _took(reply: list) -> Taken | Held | Finished:
+    """TAKE's reply, typed."""
+    kind = as_str(reply[0])
+    if kind == "FINISHED":
+        return Finished()
+    if kind == "HELD":
+        return Held(as_str(reply[1]), int(reply[2]), int(reply[3]))
+    _, epoch, meta_gw, att, cancelled, raw_history = reply
+    return Taken(epoch=int(epoch), gw=as_str(meta_gw) if meta_gw else "", att=int(att or 0),
+                 cancelled=bool(cancelled), history=[ev for ev in map(_event, raw_history) if ev is not None])
 
 
 def _event(entry: list) -> HistoryEvent | None:

@@ -9,6 +9,7 @@ of worker.ownership), by a few concerns that each fit in one module:
 * worker.intake.accept       — one delivered entry: validate, forward, take (the epoch fences), decide, run
 * worker.intake.contests     — taking a request, and entries whose request a live worker holds
 * worker.intake.forwarding   — routing: hand an entry to the worker that has its prompt cached
+* worker.intake.placement    — claimed work the claimant cannot start goes to a worker with room
 * worker.intake.dead_letters — ending a request without running it (dead letter; already finished)
 
 Keeping what we own (keep-fresh) and handing it back: worker.leases. `Intake` builds the
@@ -35,6 +36,7 @@ from worker.intake.claims import Claims
 from worker.intake.contests import Contests
 from worker.intake.dead_letters import DeadLetters
 from worker.intake.forwarding import Forwarding
+from worker.intake.placement import Placement
 from worker.intake.reader import Reader
 from worker.leases import Leases
 from worker.output_writer import OutputWriter
@@ -66,8 +68,11 @@ class Intake:
         self.acceptor = Acceptor(redis=redis, keys=keys, settings=settings, worker_id=worker_id, table=table,
                                  engine=engine, writer=writer, stats=stats, contests=self.contests,
                                  forwarding=self.forwarding, dead_letters=dead_letters)
+        self.placement = Placement(settings=settings, worker_id=worker_id, table=table, engine=engine,
+                                   ownership=ownership, forwarding=self.forwarding, stats=stats, stop=stop)
         self.claims = Claims(redis=redis, keys=keys, settings=settings, worker_id=worker_id, table=table,
-                             contests=self.contests, stats=stats, accept=self.acceptor.accept)
+                             contests=self.contests, placement=self.placement, stats=stats,
+                             accept=self.acceptor.accept_many)
         self.reader = Reader(blocking_redis=blocking_redis, keys=keys, worker_id=worker_id, table=table, stop=stop,
                              accept=self.acceptor.accept, hand_back=leases.hand_back, ensure_group=self.ensure_group)
 
@@ -95,20 +100,23 @@ class Intake:
 
     async def claim_loop(self) -> None:
         # A dead worker is known from the registry as soon as its heartbeat lapses: its entries
-        # are claimed then (checked every DEAD_CHECK_S), whatever our free slots, ahead of new
-        # intake (which waits while we are full). XAUTOCLAIM after claim_idle_ms is the fallback
+        # are claimed then (checked every DEAD_CHECK_S, and just after the oldest live heartbeat
+        # would lapse), whatever our free slots, ahead of new intake (which waits while we are
+        # full); what cannot start here goes to workers with room (worker.intake.placement),
+        # looked at every round. XAUTOCLAIM after claim_idle_ms is the fallback
         # for entries nobody else accounts for (hand-backs, workers gone from the registry); a
         # short interval is what makes a hand-back land elsewhere within a second. Neither runs
         # until we have watched Redis for a worker TTL without interruption (worker.intake.claims).
         scan_every = max(0.2, min(1.0, self.settings.claim_idle_ms / 2000))
         last_trim = last_scan = 0.0
         while not self.stopping():
-            if await wait_event(self.stop, DEAD_CHECK_S):
+            if await wait_event(self.stop, self.claims.next_check_s(DEAD_CHECK_S)):
                 return
             try:
                 await with_backoff(self.claims.claim_dead_workers, "claim from dead workers", self.stopping)
                 await self.recheck_contested()
                 await self.forwarding.refresh_view_if_stale()
+                await self.placement.rebalance()
                 free = self.table.free_slots()
                 if free > 0 and self.claims.judging() and time.monotonic() - last_scan >= scan_every:
                     await with_backoff(lambda: self.claims.claim_once(free), "claim", self.stopping)
@@ -136,6 +144,7 @@ class Intake:
             return
         for c in self.contests.due():
             await self.acceptor.accept(c.entry_id, c.fields, c.deliveries)
+            self.placement.watch({c.entry_id}, {c.entry_id: c.deliveries})
 
     async def release_contested(self) -> None:
         """Forget the contested entries (we stop, or cannot run them); see Contests.release."""
@@ -152,3 +161,4 @@ class Intake:
         found = await self.forwarding.read_handed_over(entry_id)
         if found:
             await self.acceptor.accept(found[0], found[1], deliveries)
+            self.placement.watch({entry_id}, {entry_id: deliveries})

@@ -4,9 +4,12 @@ Why its own module: a request entry stays pending under the worker that read it 
 worker acks it; if it died, or handed the entry back, someone has to take the entry over.
 
 * dead workers: a worker whose registry heartbeat lapsed (`worker_ttl_s`) has its entries
-  XCLAIMed at once, whatever our free slots (up to our capacity a round), ahead of new intake.
-  A dead worker with nothing left pending is forgotten (registry entry, control stream, group
-  consumer);
+  XCLAIMed at once, all of them in one round (its own pending list, read page by page: the cost
+  follows what it owned, not the stream), whatever our free slots, ahead of new intake; what
+  does not fit our running batch goes on to live peers with room (worker.intake.placement). The
+  registry is looked at again just after the oldest live heartbeat would lapse, so a death is
+  seen when it can first be judged, not up to a tick later. A dead worker with nothing left
+  pending is forgotten (registry entry, control stream, group consumer);
 * idle entries: XAUTOCLAIM (following its cursor) of entries idle for `claim_idle_ms`, up to
   our free slots: hand-backs, and workers gone from the registry;
 * Redis liveness: neither runs until we have watched Redis for a worker TTL without
@@ -20,6 +23,7 @@ What happens to a claimed request another worker started is worker.failover's de
 from __future__ import annotations
 
 import logging
+import time
 from typing import Awaitable, Callable
 
 from shared.config import Settings
@@ -28,27 +32,34 @@ from shared.streams import CONSUMER_GROUP, Keys, as_str
 from worker import consumer_group, registry
 from worker.inflight import InFlightTable, Stats
 from worker.intake.contests import Contests
+from worker.intake.placement import Placement
 from worker.redis_io import TRANSIENT
 
 log = logging.getLogger("worker.intake")
 
 MAX_SCAN_CALLS = 50      # XAUTOCLAIM calls a round may take to walk the pending list
+PAGE = 1000              # a dead worker's pending entries read (and claimed) this many per call
+LAPSE_MARGIN_S = 0.005   # look this long after the oldest live heartbeat would lapse
+MIN_CHECK_S = 0.02       # (bounds the pace should a peer's clock lag ours by about a TTL)
 
 
 class Claims:
     def __init__(self, *, redis, keys: Keys, settings: Settings, worker_id: str, table: InFlightTable,
-                 contests: Contests, stats: Stats, accept: Callable[[str, dict, int], Awaitable[None]]):
+                 contests: Contests, placement: Placement, stats: Stats,
+                 accept: Callable[[list[tuple[str, dict, int]]], Awaitable[None]]):
         self.redis = redis
+        self.placement = placement
         self.keys = keys
         self.settings = settings
         self.worker_id = worker_id
         self.table = table
         self.contests = contests
         self.stats = stats
-        self.accept = accept                      # (entry id, fields, deliveries): worker.intake.accept
+        self.accept = accept                      # [(entry id, fields, deliveries)]: worker.intake.accept
         self.cursor = "0-0"      # where the next XAUTOCLAIM scan goes on
         # who is dead: not judged while Redis (or this process) was away (shared.peer_liveness)
         self.peers = PeerLiveness(self.settings.worker_ttl_s, what="peer workers")
+        self.oldest_beat_ms: int | None = None    # the oldest live peer's last heartbeat (wall ms)
 
     def judging(self) -> bool:
         """Whether idle times can be trusted (Redis watched for a worker TTL without a break)."""
@@ -74,17 +85,28 @@ class Claims:
             self.peers.interrupted()   # what we read next may be stale: a fresh window first
             raise
 
+    def next_check_s(self, longest: float) -> float:
+        """How long until the registry is looked at again: `longest`, or just after the oldest
+        live peer's heartbeat would lapse, if that is sooner."""
+        if self.oldest_beat_ms is None:
+            return longest
+        due = (self.oldest_beat_ms + self.peers.ttl_ms - time.time() * 1000) / 1000 + LAPSE_MARGIN_S
+        return min(longest, max(MIN_CHECK_S, due))
+
     async def _claim_dead_workers(self) -> None:
         cutoff = self.peers.cutoff_ms()
+        self.oldest_beat_ms = None
         if self.table.unhealthy or cutoff is None:
             return
-        silent = await self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff)
-        room = self.table.capacity
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrangebyscore(self.keys.workers, "-inf", cutoff)
+            pipe.zrangebyscore(self.keys.workers, f"({cutoff}", "+inf", start=0, num=2, withscores=True)
+            silent, oldest = await pipe.execute()
+        self.oldest_beat_ms = next((int(score) for w, score in oldest if as_str(w) != self.worker_id), None)
         for dead in (as_str(w) for w in silent):
-            if dead == self.worker_id or room <= 0:
+            if dead == self.worker_id:
                 continue
-            pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min="-", max="+",
-                                                      count=room, consumername=dead)
+            pending = await self._pending_of(dead)
             if not pending:
                 await registry.forget_dead(self.redis, self.keys, dead)
                 log.info("worker %s is dead and owns nothing any more: removed its registry entry, control "
@@ -93,14 +115,30 @@ class Claims:
             # min-idle: of two survivors claiming at once only one gets each entry (XCLAIM resets
             # the idle time), and an entry the dead worker refreshed just before dying still qualifies
             min_idle = int(self.settings.worker_ttl_s * 500)
-            claimed = await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, min_idle,
-                                              [p["message_id"] for p in pending])
+            ids = list(pending)
+            claimed = []
+            for at in range(0, len(ids), PAGE):
+                claimed += await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, min_idle,
+                                                   ids[at:at + PAGE])
             claimed = [(as_str(i), f) for i, f in claimed if f]
             if claimed:
                 log.info("worker %s is dead (no heartbeat for %.1f s): claimed %d of its requests", dead,
                          self.settings.worker_ttl_s, len(claimed))
-                room -= len(claimed)
-                await self._accept_claimed(claimed)
+                # (the claim counted one more delivery of each)
+                await self._accept_claimed(claimed, {i: pending[i] + 1 for i, _ in claimed}, place=True)
+
+    async def _pending_of(self, consumer: str) -> dict[str, int]:
+        """Every entry pending under `consumer` -> its delivery count, page by page (Redis walks
+        that consumer's own pending list: the cost follows what it owned)."""
+        found: dict[str, int] = {}
+        start = "-"
+        while True:
+            page = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=start, max="+",
+                                                   count=PAGE, consumername=consumer)
+            found.update((as_str(p["message_id"]), int(p["times_delivered"])) for p in page)
+            if len(page) < PAGE:
+                return found
+            start = f"({as_str(page[-1]['message_id'])}"
 
     # ---- idle entries -----------------------------------------------------------------------
 
@@ -119,20 +157,25 @@ class Claims:
             claimed += [(as_str(i), f) for i, f in entries if f]
             if len(claimed) >= count or self.cursor == "0-0":
                 break
-        await self._accept_claimed(claimed)
+        if claimed:
+            # delivery counts (the claim has already counted this delivery)
+            ids = sorted(claimed, key=lambda e: tuple(int(x) for x in e[0].split("-")))
+            pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
+                                                      max=ids[-1][0], count=len(claimed) + len(self.table) + 100,
+                                                      consumername=self.worker_id)
+            await self._accept_claimed(claimed, {as_str(p["message_id"]): int(p["times_delivered"])
+                                                 for p in pending})
 
-    async def _accept_claimed(self, entries: list) -> None:
-        if not entries:
-            return
-        # delivery counts (the claim has already counted this delivery)
-        ids = sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))
-        pending = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=ids[0][0],
-                                                  max=ids[-1][0], count=len(entries) + 100,
-                                                  consumername=self.worker_id)
-        deliveries = {as_str(p["message_id"]): int(p["times_delivered"]) for p in pending}
+    async def _accept_claimed(self, entries: list, deliveries: dict[str, int], *, place: bool = False) -> None:
+        """Take what we claimed, a few pipelines for all (worker.intake.accept). `place`: a
+        dead worker's entries, whatever our room: what our batch has room for is taken first,
+        the rest goes to peers with room or queues here. Each is watched until it starts."""
         ours = self.table.entry_ids() | self.contests.entry_ids()
-        for entry_id, fields in entries:
-            if entry_id in ours:
-                continue
-            self.stats.claimed += 1
-            await self.accept(entry_id, fields, deliveries=deliveries.get(entry_id, 2))
+        entries = [(entry_id, fields) for entry_id, fields in entries if entry_id not in ours]
+        self.stats.claimed += len(entries)
+        now, extra = self.placement.split(entries) if place else (entries, [])
+        await self.accept([(entry_id, fields, deliveries.get(entry_id, 2)) for entry_id, fields in now])
+        if extra:
+            extra = await self.placement.hand_on(extra, deliveries)
+            await self.accept([(entry_id, fields, deliveries.get(entry_id, 2)) for entry_id, fields in extra])
+        self.placement.watch({entry_id for entry_id, _ in now + extra}, deliveries)

@@ -71,6 +71,19 @@ class Contests:
         lease ends) or, if that owner proved alive since `prev`, left to it."""
         got = await with_backoff(lambda: self.ownership.take(rid, key_id=key_id, gw=gw, whole_history=whole_history),
                                  "take request")
+        return self._settle(entry_id, fields, deliveries, rid, got, prev)
+
+    async def take_many(self, entries: list[tuple[str, dict, int, str, Contest | None, str, str]]
+                        ) -> list[Taken | Finished | None]:
+        """`take` of each (entry id, fields, deliveries, rid, prev, key id, gw), in one pipeline."""
+        gots = await with_backoff(lambda: self.ownership.take_many([(rid, key_id, gw)
+                                                                    for _i, _f, _d, rid, _p, key_id, gw in entries]),
+                                  "take requests")
+        return [self._settle(entry_id, fields, deliveries, rid, got, prev)
+                for (entry_id, fields, deliveries, rid, prev, _k, _g), got in zip(entries, gots)]
+
+    def _settle(self, entry_id: str, fields: dict, deliveries: int, rid: str, got: Taken | Held | Finished,
+                prev: Contest | None) -> Taken | Finished | None:
         if isinstance(got, Held):
             self._contest(entry_id, fields, deliveries, rid, got, prev)
             return None

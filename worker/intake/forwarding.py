@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from shared.backlog import WorkerInfo, live_workers
 from shared.config import Settings
@@ -27,6 +28,15 @@ log = logging.getLogger("worker.intake")
 VIEW_REFRESH_S = 1.0     # how often the live peers and their room are read (routing)
 VIEW_RECHECK_S = 0.1     # at most this often again when an entry names a worker the view lacks
 CTL_MAXLEN = 10000       # a worker's control stream (MAXLEN ~)
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """Entry `entry_id` (of `rid`, delivered `deliveries` times) goes to worker `peer`."""
+    entry_id: str
+    rid: str
+    deliveries: int
+    peer: str
 
 
 class Forwarding:
@@ -66,17 +76,29 @@ class Forwarding:
             peer = self.view.get(entry.route)
         if peer is None or peer.free_slots <= 0 or self.stopping():
             return False
-
-        async def handover():
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xclaim(self.keys.requests, CONSUMER_GROUP, entry.route, 0, [entry_id], justid=True)
-                pipe.xadd(self.keys.ctl(entry.route), {ENTRY_FIELD: encode_take(entry.rid, entry_id, deliveries)},
-                          maxlen=CTL_MAXLEN, approximate=True)
-                return await pipe.execute()
-        await with_backoff(handover, "hand a routed entry over")
+        await with_backoff(lambda: self.hand_over([HandOver(entry_id, entry.rid, deliveries, entry.route)]),
+                           "hand a routed entry over")
         self.stats.forwarded += 1
         log.debug("request %s routed to worker %s: handed it over", entry.rid, entry.route, extra=rid_of(entry.rid))
         return True
+
+    def rooms(self) -> dict[str, int]:
+        """Live peers (not us) with room in their running batch, as the view has them."""
+        return {w.worker_id: w.free_slots for w in self.view.values()
+                if w.worker_id != self.worker_id and w.free_slots > 0}
+
+    async def hand_over(self, moves: list["HandOver"], before=None) -> None:
+        """Put each entry into its peer's pending list (XCLAIM JUSTID: the delivery count stays)
+        and tell the peer on its control stream (`take`): one pipeline. `before(pipe)` queues
+        what must go first (placement releases the requests it had taken)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if before is not None:
+                before(pipe)
+            for m in moves:
+                pipe.xclaim(self.keys.requests, CONSUMER_GROUP, m.peer, 0, [m.entry_id], justid=True)
+                pipe.xadd(self.keys.ctl(m.peer), {ENTRY_FIELD: encode_take(m.rid, m.entry_id, m.deliveries)},
+                          maxlen=CTL_MAXLEN, approximate=True)
+            await pipe.execute()
 
     async def read_handed_over(self, entry_id: str) -> tuple[str, dict] | None:
         """An entry another worker handed to us: (entry id, fields) while it is still in our
