@@ -12,6 +12,9 @@ SIGKILLed. Measured from the kill (wall clock of this process; every process is 
   survivor's TAKE): the lease that TAKE set (Redis's clock, this host's) less the lease length,
   or when a poll (every 2 ms, one pipeline) first saw it, whichever is earlier (a keep-fresh
   may have extended the lease before the poll saw it);
+* lapse: when the victim's last heartbeat (its registry score) turned WORKER_TTL_S old: the
+  earliest any survivor may judge it dead; `claim after lapse` = first claim - lapse, the
+  claim path's own latency (the rest is where the kill fell in the 0.5 s heartbeat cycle);
 * first token / last first token: the `ms` (when the survivor's engine produced it) of the
   first epoch-2 token event in each request's history: earliest / latest over the requests.
 
@@ -47,6 +50,7 @@ from tests.stack_fixtures import Proc, _env, wait_for_worker  # noqa: E402
 
 POLL_S = 0.002
 LEASE_MS = 1500     # WORKER_TTL_S - WORKER_HEARTBEAT_S with the default settings (worker.ownership)
+TTL_MS = 2000       # WORKER_TTL_S by default
 
 
 def cpu_model() -> str:
@@ -93,6 +97,8 @@ async def trial(server: LocalRedis, r, work: Path, root: Path, args, rng: random
         await asyncio.sleep(rng.uniform(0, 1.0))
         killed_ms = time.time() * 1000
         victim.popen.kill()
+        victim.popen.wait()
+        lapse_ms = float(await r.zscore(keys.workers, "victim")) + TTL_MS - killed_ms
         claimed: dict[str, float] = {}
         deadline = time.monotonic() + 30
         while len(claimed) < len(rids) and time.monotonic() < deadline:
@@ -111,7 +117,8 @@ async def trial(server: LocalRedis, r, work: Path, root: Path, args, rng: random
                 if rid not in tokens and (ms := await first_epoch2_token_ms(r, keys, rid)) is not None:
                     tokens[rid] = ms - killed_ms
             await asyncio.sleep(0.05)
-        return {"first_claim_ms": min(claimed.values(), default=float("nan")),
+        first = min(claimed.values(), default=float("nan"))
+        return {"first_claim_ms": first, "lapse_ms": lapse_ms, "claim_after_lapse_ms": first - lapse_ms,
                 "all_claimed_ms": max(claimed.values()) if len(claimed) == len(rids) else float("nan"),
                 "first_token_ms": min(tokens.values(), default=float("nan")),
                 "last_first_token_ms": max(tokens.values()) if len(tokens) == len(rids) else float("nan"),
@@ -148,7 +155,8 @@ async def main() -> None:
     finally:
         await r.aclose()
         server.stop()
-    metrics = ["first_claim_ms", "all_claimed_ms", "first_token_ms", "last_first_token_ms"]
+    metrics = ["first_claim_ms", "lapse_ms", "claim_after_lapse_ms", "all_claimed_ms", "first_token_ms",
+               "last_first_token_ms"]
     rows = []
     for code, _root in variants:
         mine = [t for t in trials if t["code"] == code]

@@ -89,26 +89,39 @@ async def test_claimed_work_moves_off_a_full_survivor_to_the_paused_worker_once_
                 p.stop()
 
 
-async def test_a_dead_workers_entries_are_claimed_in_one_round(redis_server, redis_client, stream_prefix,
-                                                                tmp_path):
-    """A victim that owned 40 requests, a survivor with a batch of 8: all 40 are claimed at
-    once (one XPENDING + XCLAIM sized to what the victim owned), not in rounds of the survivor's
-    capacity, each a claim-loop tick later than the one before."""
+async def test_a_dead_workers_entries_are_claimed_in_one_round_and_placed_where_there_is_room(
+        redis_server, redis_client, stream_prefix, tmp_path):
+    """A victim that owned 40 requests, two survivors with a batch of 8 each. Whichever sees
+    the death first claims all 40 at once (one pass over the victim's own pending list), not
+    in rounds of its capacity a claim-loop tick apart; it starts 8, hands 8 to the other
+    survivor (idle: room for 8) and queues the rest."""
     keys, url = Keys(stream_prefix), redis_server.url
     victim = start_synthetic_worker(url, stream_prefix, tmp_path, name="wa", env=ENV, step_ms=STEP_MS, max_batch=40)
-    survivor = None
+    survivors = []
     try:
         owned = await fill(redis_client, keys, 40, "wa")
-        survivor = start_synthetic_worker(url, stream_prefix, tmp_path, name="wb", env=ENV, step_ms=STEP_MS,
-                                          max_batch=8)
+        survivors = [start_synthetic_worker(url, stream_prefix, tmp_path, name=name, env=ENV, step_ms=STEP_MS,
+                                            max_batch=8) for name in ("wb", "wc")]
         victim.signal(signal.SIGKILL)
 
         async def all_claimed() -> bool:
-            return all([await owner_of(redis_client, keys, r) == "wb" for r in owned])
+            return all([await owner_of(redis_client, keys, r) in ("wb", "wc") for r in owned])
         assert await eventually(all_claimed, timeout=30)
-        rounds = [int(n) for n in re.findall(r"worker wa is dead .*?: claimed (\d+) of its requests", survivor.log())]
-        assert rounds == [40], rounds
+        rounds = [(p, int(n)) for p in survivors
+                  for n in re.findall(r"worker wa is dead .*?: claimed (\d+) of its requests", p.log())]
+        assert [n for _, n in rounds] == [40], rounds
+
+        async def started_by_survivors() -> dict[str, int]:
+            started: dict[str, int] = {}
+            for r in owned:
+                if any(e["k"] == "tok" and e["ep"] == 2 for e in await history(redis_client, keys, r)):
+                    owner = await owner_of(redis_client, keys, r)
+                    started[owner] = started.get(owner, 0) + 1
+            return started
+
+        async def eight_each() -> bool:
+            return await started_by_survivors() == {"wb": 8, "wc": 8}
+        assert await eventually(eight_each, timeout=30), await started_by_survivors()
     finally:
-        for p in (victim, survivor):
-            if p is not None:
-                p.stop()
+        for p in (victim, *survivors):
+            p.stop()

@@ -43,6 +43,26 @@ LAPSE_MARGIN_S = 0.005   # look this long after the oldest live heartbeat would 
 MIN_CHECK_S = 0.02       # (bounds the pace should a peer's clock lag ours by about a TTL)
 
 
+# KEYS: requests. ARGV: group, dead consumer, us, min-idle ms, count, start (an id, "(id" or "-").
+# One page of the dead consumer's pending list XCLAIMed to us, in one round trip: {entries claimed,
+# their delivery counts before this claim, entries looked at, the last id looked at}. (Redis walks
+# that consumer's own pending list: the cost follows what it owned. Entries deleted meanwhile are
+# not returned: by Redis 7 XCLAIM drops them from the pending list; by 6.2 they come back nil.)
+CLAIM_FROM = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[6], '+', tonumber(ARGV[5]), ARGV[2])
+if #p == 0 then return {{}, {}, 0, ''} end
+local ids, counts = {}, {}
+for i, e in ipairs(p) do ids[i] = e[1]; counts[e[1]] = e[4] end
+local got = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], ARGV[4], unpack(ids))
+local claimed, times = {}, {}
+for i = 1, #got do
+  local e = got[i]
+  if e and e[2] then claimed[#claimed + 1] = e; times[#times + 1] = counts[e[1]] end
+end
+return {claimed, times, #p, p[#p][1]}
+"""
+
+
 class Claims:
     def __init__(self, *, redis, keys: Keys, settings: Settings, worker_id: str, table: InFlightTable,
                  contests: Contests, placement: Placement, stats: Stats,
@@ -60,6 +80,7 @@ class Claims:
         # who is dead: not judged while Redis (or this process) was away (shared.peer_liveness)
         self.peers = PeerLiveness(self.settings.worker_ttl_s, what="peer workers")
         self.oldest_beat_ms: int | None = None    # the oldest live peer's last heartbeat (wall ms)
+        self._claim_from = redis.register_script(CLAIM_FROM)
 
     def judging(self) -> bool:
         """Whether idle times can be trusted (Redis watched for a worker TTL without a break)."""
@@ -106,39 +127,37 @@ class Claims:
         for dead in (as_str(w) for w in silent):
             if dead == self.worker_id:
                 continue
-            pending = await self._pending_of(dead)
-            if not pending:
+            claimed, deliveries, looked_at = await self._claim_from_dead(dead)
+            if not looked_at:
                 await registry.forget_dead(self.redis, self.keys, dead)
                 log.info("worker %s is dead and owns nothing any more: removed its registry entry, control "
                          "stream and consumer", dead)
                 continue
-            # min-idle: of two survivors claiming at once only one gets each entry (XCLAIM resets
-            # the idle time), and an entry the dead worker refreshed just before dying still qualifies
-            min_idle = int(self.settings.worker_ttl_s * 500)
-            ids = list(pending)
-            claimed = []
-            for at in range(0, len(ids), PAGE):
-                claimed += await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, min_idle,
-                                                   ids[at:at + PAGE])
-            claimed = [(as_str(i), f) for i, f in claimed if f]
             if claimed:
                 log.info("worker %s is dead (no heartbeat for %.1f s): claimed %d of its requests", dead,
                          self.settings.worker_ttl_s, len(claimed))
-                # (the claim counted one more delivery of each)
-                await self._accept_claimed(claimed, {i: pending[i] + 1 for i, _ in claimed}, place=True)
+                await self._accept_claimed(claimed, deliveries, place=True)
 
-    async def _pending_of(self, consumer: str) -> dict[str, int]:
-        """Every entry pending under `consumer` -> its delivery count, page by page (Redis walks
-        that consumer's own pending list: the cost follows what it owned)."""
-        found: dict[str, int] = {}
-        start = "-"
+    async def _claim_from_dead(self, dead: str) -> tuple[list[tuple[str, dict]], dict[str, int], int]:
+        """Every entry pending under `dead`, XCLAIMed to us a page (one round trip) at a time:
+        (claimed entries, their delivery counts with this claim, entries looked at). Min-idle:
+        of two survivors claiming at once only one gets each entry (XCLAIM resets the idle
+        time), and an entry the dead worker refreshed just before dying still qualifies."""
+        min_idle = int(self.settings.worker_ttl_s * 500)
+        claimed: list[tuple[str, dict]] = []
+        deliveries: dict[str, int] = {}
+        looked_at, start = 0, "-"
         while True:
-            page = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=start, max="+",
-                                                   count=PAGE, consumername=consumer)
-            found.update((as_str(p["message_id"]), int(p["times_delivered"])) for p in page)
-            if len(page) < PAGE:
-                return found
-            start = f"({as_str(page[-1]['message_id'])}"
+            got, times, n, last = await self._claim_from(
+                keys=[self.keys.requests], args=[CONSUMER_GROUP, dead, self.worker_id, min_idle, PAGE, start])
+            for (entry_id, flat), before in zip(got, times):
+                entry_id = as_str(entry_id)
+                claimed.append((entry_id, dict(zip(flat[::2], flat[1::2]))))
+                deliveries[entry_id] = int(before) + 1       # (the claim counted one more)
+            looked_at += int(n)
+            if int(n) < PAGE:
+                return claimed, deliveries, looked_at
+            start = f"({as_str(last)}"
 
     # ---- idle entries -----------------------------------------------------------------------
 
