@@ -169,3 +169,28 @@ def test_placement_spreads_claimed_entries_over_the_room_peers_have_and_keeps_th
     assert moves[0][1] == "p"                                            # the most room first
     assert assign(list("ab"), {}) == ([], ["a", "b"])
     assert assign([], {"p": 2}) == ([], [])
+
+
+async def test_a_peer_has_less_room_by_what_was_handed_to_it_since_its_last_beat(redis_client, stream_prefix):
+    """Placement must not hand a peer its advertised room twice before the peer's figures can
+    show the first hand-over (the registry view is up to a second old)."""
+    import asyncio
+    from shared.backlog import WorkerInfo
+    from shared.config import Settings
+    from worker.inflight import Stats
+    from worker.intake.forwarding import Forwarding, HandOver
+    keys = Keys(stream_prefix)
+    await redis_client.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+    fwd = Forwarding(redis=redis_client, keys=keys, settings=Settings(), worker_id="me", stats=Stats(),
+                     stop=asyncio.Event())
+    beat = int(time.time() * 1000) - 1000
+
+    def info(worker_id: str, running: int, state: str = "ready") -> WorkerInfo:
+        return WorkerInfo(worker_id, 4, running, 0, 0, 0, "m", 0, 0, beat, state)
+    fwd.view = {w.worker_id: w for w in (info("me", 0), info("p", 1), info("full", 4), info("going", 0, "draining"))}
+    assert fwd.rooms() == {"p": 3}
+    await fwd.hand_over([HandOver("1-0", "r1", 1, "p"), HandOver("2-0", "r2", 1, "p")])
+    assert fwd.rooms() == {"p": 1}
+    assert len(await redis_client.xrange(keys.ctl("p"))) == 2      # each told on its control stream
+    fwd.view["p"] = WorkerInfo("p", 4, 3, 0, 0, 0, "m", 0, 0, int(time.time() * 1000) + 200)   # it beat since
+    assert fwd.rooms() == {"p": 1}

@@ -28,6 +28,8 @@ log = logging.getLogger("worker.intake")
 VIEW_REFRESH_S = 1.0     # how often the live peers and their room are read (routing)
 VIEW_RECHECK_S = 0.1     # at most this often again when an entry names a worker the view lacks
 CTL_MAXLEN = 10000       # a worker's control stream (MAXLEN ~)
+SENT_MARGIN_MS = 100     # a hand-over this close before a peer's beat may not be in its figures yet
+SENT_KEEP_MS = 10_000
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Forwarding:
         # live peers and their room, for routing (refreshed every VIEW_REFRESH_S)
         self.view: dict[str, WorkerInfo] = {}
         self.view_at = 0.0
+        self._sent: dict[str, list[float]] = {}   # peer -> wall ms of our hand-overs to it (room they took)
 
     def stopping(self) -> bool:
         return self.stop.is_set()
@@ -57,6 +60,8 @@ class Forwarding:
     async def refresh_view(self) -> None:
         self.view = {w.worker_id: w for w in await live_workers(self.redis, self.keys, self.settings.worker_ttl_s)}
         self.view_at = time.monotonic()
+        old = time.time() * 1000 - SENT_KEEP_MS
+        self._sent = {peer: kept for peer, sent in self._sent.items() if (kept := [t for t in sent if t > old])}
 
     async def refresh_view_if_stale(self) -> None:
         """Read the registry again once the view is VIEW_REFRESH_S old (the claim loop's pace)."""
@@ -83,9 +88,15 @@ class Forwarding:
         return True
 
     def rooms(self) -> dict[str, int]:
-        """Live peers (not us) with room in their running batch, as the view has them."""
-        return {w.worker_id: w.free_slots for w in self.view.values()
-                if w.worker_id != self.worker_id and w.free_slots > 0}
+        """Live peers (not us) with room in their running batch: as the view has them, less what
+        we handed them since their last beat (their figures cannot show it yet)."""
+        out = {}
+        for w in self.view.values():
+            since = w.heartbeat_ms - SENT_MARGIN_MS
+            free = w.free_slots - sum(1 for t in self._sent.get(w.worker_id, ()) if t > since)
+            if w.worker_id != self.worker_id and free > 0:
+                out[w.worker_id] = free
+        return out
 
     async def hand_over(self, moves: list["HandOver"], before=None) -> None:
         """Put each entry into its peer's pending list (XCLAIM JUSTID: the delivery count stays)
@@ -99,6 +110,9 @@ class Forwarding:
                 pipe.xadd(self.keys.ctl(m.peer), {ENTRY_FIELD: encode_take(m.rid, m.entry_id, m.deliveries)},
                           maxlen=CTL_MAXLEN, approximate=True)
             await pipe.execute()
+        now = time.time() * 1000
+        for m in moves:
+            self._sent.setdefault(m.peer, []).append(now)
 
     async def read_handed_over(self, entry_id: str) -> tuple[str, dict] | None:
         """An entry another worker handed to us: (entry id, fields) while it is still in our
