@@ -27,6 +27,7 @@ ENV = {"WORKER_TTL_S": 2, "WORKER_HEARTBEAT_S": 0.5, "CLAIM_IDLE_MS": 1500, "WOR
        "SHUTDOWN_GRACE_S": 0.5}
 STEP_MS = 20
 ENDLESS = 10**6     # tokens: a stream that outlasts the test (its worker stops it at the end)
+SHORT = 200         # tokens: 4 s at STEP_MS, so still running when the test pauses its worker
 
 
 def entries(n: int, max_tokens: int) -> tuple[list[str], list[RequestEntry]]:
@@ -59,7 +60,7 @@ async def test_claimed_work_moves_off_a_full_survivor_to_the_paused_worker_once_
         endless = await fill(redis_client, keys, 2, "wb")
         victim = start_synthetic_worker(url, stream_prefix, tmp_path, name="wa", env=ENV, step_ms=STEP_MS,
                                         max_batch=2)
-        claimed = await fill(redis_client, keys, 2, "wa", max_tokens=60)
+        claimed = await fill(redis_client, keys, 2, "wa", max_tokens=SHORT)
         for r in claimed:
             await wait_for_tokens(redis_client, keys, r, 5)
         victim.signal(signal.SIGSTOP)
@@ -74,7 +75,7 @@ async def test_claimed_work_moves_off_a_full_survivor_to_the_paused_worker_once_
         for r in claimed:
             events = await read_events(redis_client, keys, r, timeout=30)
             check_seqs(events)
-            assert events[-1]["k"] == "done" and events[-1]["seq"] == 60, events[-1]
+            assert events[-1]["k"] == "done" and events[-1]["seq"] == SHORT, events[-1]
             # never started on the full survivor (epoch 2); continued by the victim (epoch 3)
             assert {e["ep"] for e in events} == {1, 3}, [(e["seq"], e["ep"]) for e in events]
             assert (await meta_of(redis_client, keys, r))["epoch"] == "3"
