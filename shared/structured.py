@@ -116,12 +116,13 @@ def _call_schema(tool: Tool) -> dict:
 def grammar_for(response_format: ResponseFormat | None, tools: list[Tool] | None,
                 choice: ToolChoice | None) -> dict | None:
     """The engine's grammar spec (worker.engine.grammar) for a request, or None (free text)."""
-    if tool_mode(tools, choice) == "forced":
+    if tool_mode(tools, choice) == "forced":    # `param`: a refused schema names `tools`
         if isinstance(choice, NamedToolChoice):
             tool = next(t for t in tools if t.function.name == choice.function.name)
-            return {"type": "json_schema", "schema": _call_schema(tool)}
+            return {"type": "json_schema", "schema": _call_schema(tool), "param": "tools"}
         schemas = [_call_schema(t) for t in tools]
-        return {"type": "json_schema", "schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas}}
+        return {"type": "json_schema", "schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas},
+                "param": "tools"}
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
