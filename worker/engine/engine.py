@@ -143,6 +143,11 @@ class Engine:
         """time.monotonic() by which the next compile is refused if not done (None: none pending)."""
         return min((job.deadline for _, job in self._compiling.values()), default=None)
 
+    def compile_of(self, rid: str) -> Compile | None:
+        """The compile a request waits for (None: it is not waiting for one)."""
+        waiting = self._compiling.get(rid)
+        return waiting[1] if waiting else None
+
     def on_compiled(self, notify) -> None:
         """`notify()` is called (in a compile thread) whenever a compile ends."""
         self.grammars.pool.on_done = notify

@@ -190,6 +190,10 @@ class CompilePool:
                 self._durations.append(time.perf_counter() - t0)
         return self._matcher(compiled)
 
+    def compiler(self):
+        """xgrammar's compiler for this engine's tokenizer (built on first use)."""
+        return self._get_compiler()
+
     def _get_compiler(self):
         with self._build_lock:
             if self._compiler is None:
