@@ -28,6 +28,7 @@ from (`response_format`, or `tools` for a forced tool call's schema).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -131,7 +132,11 @@ class CompilePool:
     """Compiles grammar specs on `limits.threads` threads. `build()` makes the xgrammar compiler
     (the tokenizer's token table, ~0.1-0.4 s) on the first compile, in a pool thread; `matcher(
     compiled)` turns a compiled grammar into a request's matcher. Records each compile's seconds and
-    each refusal's reason for the worker's metrics (`take_records`)."""
+    each refusal's reason for the worker's metrics (`take_records`). Its threads run at a lower
+    CPU priority (`NICE`, Linux: per thread, inherited by xgrammar's own threads): on a busy CPU
+    the engine's step comes first and the compile takes what is left."""
+
+    NICE = 10
 
     def __init__(self, build: Callable[[int, int], object], matcher: Callable[[object], object], limits: GrammarLimits):
         self.limits = limits
@@ -161,6 +166,11 @@ class CompilePool:
         return Compile(future, time.monotonic() + timeout, spec_param(spec), timeout, started)
 
     def _serve(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.NICE))
+        except (AttributeError, OSError):    # not Linux, or not allowed: the default priority
+            pass
         while (item := self._queue.get()) is not None:
             future, spec, started = item
             if not future.set_running_or_notify_cancel():    # abandoned while queued
