@@ -173,3 +173,40 @@ def test_compile_records_reach_the_worker_metrics(reasons):
     assert samples[("worker_grammar_compile_seconds_bucket", (("le", "1.0"),))] == 1
     for reason in ("too_large", "timeout", "invalid"):
         assert samples[("worker_grammar_compile_refused_total", (("reason", reason),))] == reasons.count(reason)
+
+
+def test_forced_call_parameters_with_defs_compile_and_validate(model, tokenizer):
+    """pydantic's and LangChain's `parameters` carry `$defs` with "#/$defs/..." refs; wrapped in
+    the call schema those pointed at the wrong root (found by the fuzz: every such forced call
+    was refused). Each tool's definitions now move to the grammar's root, namespaced, and the
+    calls the model makes validate against the tools' own parameters."""
+    import json
+
+    import jsonschema
+
+    from shared.structured import NamedToolChoice, Tool, grammar_for
+    city = {"$defs": {"City": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                               "required": ["name"]}},
+            "type": "object", "properties": {"city": {"$ref": "#/$defs/City"},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"]}
+    count = {"$defs": {"City": {"enum": ["a", "b"]}}, "type": "object",
+             "properties": {"of": {"$ref": "#/$defs/City"}}, "required": ["of"]}
+    tools = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": p}})
+             for n, p in (("weather", city), ("count", count))]
+    engine = make_engine(model, tokenizer)
+    for k, choice in enumerate(["required", NamedToolChoice.model_validate({"function": {"name": "count"}})]):
+        spec = grammar_for(None, tools, choice)
+        for seed in range(3):
+            rid = f"{k}-{seed}"
+            engine.add(EngineRequest(rid, ids(tokenizer, "call"), SamplingParams(max_tokens=120, temperature=1.0,
+                                                                                 seed=seed, grammar=spec)))
+            text, final = "", None
+            while final is None:
+                for out in engine.step():
+                    text += out.text
+                    final = out if out.finished else final
+            assert final.finish_reason == "stop", (final, text)
+            call = json.loads(text)
+            jsonschema.validate(call["arguments"], {"weather": city, "count": count}[call["name"]])
+            assert k == 0 or call["name"] == "count"
