@@ -11,7 +11,9 @@ token appended) and the engine turns each sampled token into what the request pr
 (detokenize, stop strings, finish, logprobs). Every request the engine holds ends with exactly
 one final output, whatever raises: a failed forward pass fails the requests in it, a failure
 while handling one request's token fails that request only. The engine is single-threaded by
-design: its owner calls add/cancel/step from one thread.
+design: its owner calls add/cancel/step from one thread. The one exception is structured output's
+schema compiles, which run on threads of their own (grammar_compile.py): a request with a grammar
+waits beside the batch and joins it at the first step after its grammar is ready.
 
 Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py,
 kv_cache_manager.py): KV blocks of earlier requests' contexts stay in the pool after they end
