@@ -39,6 +39,7 @@ from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
 from worker.engine.grammar import Compile, GrammarRefused, Grammars
+from worker.engine.grammar_compile import Waiting
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.kv_cache_manager import KVCacheManager
 from worker.engine.logprobs import TokenText, entry as logprob_entry
@@ -109,7 +110,7 @@ class Engine:
         self._by_rid: dict[str, Sequence] = {}
         # requests waiting for their grammar (worker.engine.grammar_compile): they join at a step
         # once it is compiled, or are refused (too large, invalid, past the compile timeout)
-        self._compiling: dict[str, tuple[EngineRequest, Compile]] = {}
+        self._compiling = Waiting()
         self._token_text = TokenText(tokenizer)   # logprobs: tokens as text
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
         self._arrivals = 0
@@ -136,19 +137,15 @@ class Engine:
     def ready(self) -> bool:
         """Whether step() has something to do now without waiting for a compile: what a driver that
         must stay responsive (worker.engine_thread) steps on, waking on `on_compiled`."""
-        if self._by_rid or self._finals:
-            return True
-        now = time.monotonic()
-        return any(job.ready(now) for _, job in self._compiling.values())
+        return bool(self._by_rid or self._finals) or self._compiling.any_ready()
 
     def compile_deadline(self) -> float | None:
         """time.monotonic() by which the next compile is refused if not done (None: none pending)."""
-        return min((job.deadline for _, job in self._compiling.values()), default=None)
+        return self._compiling.deadline()
 
     def compile_of(self, rid: str) -> Compile | None:
         """The compile a request waits for (None: it is not waiting for one)."""
-        waiting = self._compiling.get(rid)
-        return waiting[1] if waiting else None
+        return self._compiling.get(rid)
 
     def on_compiled(self, notify) -> None:
         """`notify()` is called (in a compile thread) whenever a compile ends."""
@@ -168,7 +165,7 @@ class Engine:
 
     def request_ids(self) -> list[str]:
         """Ids of every request the engine holds (compiling, waiting or running)."""
-        return list(self._by_rid) + list(self._compiling)
+        return list(self._by_rid) + self._compiling.rids()
 
     @property
     def kv_tokens_total(self) -> int:
@@ -232,7 +229,7 @@ class Engine:
                 f"the {limit} tokens one request may use",
             )
         if p.grammar is not None:
-            self._compiling[req.rid] = (req, self.grammars.compile(p.grammar))
+            self._compiling.add(req.rid, req, self.grammars.compile(p.grammar))
             return
         self._enter(req, None)
 
@@ -267,12 +264,10 @@ class Engine:
         model, so a cancel is answered without waiting for a forward pass."""
         seq = self._by_rid.get(rid)
         if seq is None:
-            waiting = self._compiling.pop(rid, None)
-            if waiting is None:
-                return False
-            waiting[1].abandon()
-            self._finals.append(self._unentered(waiting[0], "cancelled"))
-            return True
+            req = self._compiling.drop(rid)
+            if req is not None:
+                self._finals.append(self._unentered(req, "cancelled"))
+            return req is not None
         self._forget(seq)
         self._finals.append(self._final(seq, "", "cancelled"))
         return True
@@ -286,8 +281,7 @@ class Engine:
         if self._compiling:
             self._admit_compiled()
             if not self._by_rid and not self._finals and self._compiling:   # nothing else to do
-                self.grammars.pool.wait_any([job for _, job in self._compiling.values()],
-                                            self.compile_deadline() - time.monotonic())
+                self._compiling.wait()
                 self._admit_compiled()
         if self._finals:
             return self._take_finals()
@@ -317,11 +311,7 @@ class Engine:
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready join the scheduler; refused ones end (a final)."""
-        now = time.monotonic()
-        for rid, (req, job) in list(self._compiling.items()):
-            if not job.ready(now):
-                continue
-            del self._compiling[rid]
+        for req, job, now in self._compiling.take_ready():
             try:
                 matcher = job.result(now)
                 # a continuation: the grammar is where the delivered tokens left it
@@ -335,7 +325,7 @@ class Engine:
             except EngineRejected as exc:
                 self._finals.append(self._unentered(req, "error", exc.code, exc.message, exc.param))
             except Exception as exc:  # a bug: this request fails, not the step
-                log.exception("starting %s after its grammar compiled failed", rid)
+                log.exception("starting %s after its grammar compiled failed", req.rid)
                 self._finals.append(self._unentered(req, "error", ErrorCode.INTERNAL,
                                                     f"could not start the request: {exc}"))
 

@@ -128,6 +128,58 @@ class Compile:
         self.future.cancel()
 
 
+class Waiting:
+    """The engine's requests waiting for their grammar, each with its `Compile` (arrival order)."""
+
+    def __init__(self):
+        self._jobs: dict[str, tuple[object, Compile]] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._jobs
+
+    def rids(self) -> list[str]:
+        return list(self._jobs)
+
+    def add(self, rid: str, req, job: Compile) -> None:
+        self._jobs[rid] = (req, job)
+
+    def get(self, rid: str) -> Compile | None:
+        waiting = self._jobs.get(rid)
+        return waiting[1] if waiting else None
+
+    def drop(self, rid: str):
+        """The request leaves before its grammar is ready (its compile abandoned); None if not here."""
+        req, job = self._jobs.pop(rid, (None, None))
+        if job is not None:
+            job.abandon()
+        return req
+
+    def any_ready(self) -> bool:
+        now = time.monotonic()
+        return any(job.ready(now) for _, job in self._jobs.values())
+
+    def deadline(self) -> float | None:
+        """time.monotonic() by which the next compile is refused if not done (None: none waits)."""
+        return min((job.deadline for _, job in self._jobs.values()), default=None)
+
+    def take_ready(self) -> list[tuple[object, Compile, float]]:
+        """The requests whose compile ended or whose deadline passed: (request, compile, now)."""
+        now = time.monotonic()
+        ready = [(rid, req, job) for rid, (req, job) in self._jobs.items() if job.ready(now)]
+        for rid, _, _ in ready:
+            del self._jobs[rid]
+        return [(req, job, now) for _, req, job in ready]
+
+    def wait(self) -> None:
+        """Block until a compile ends or the next deadline passes."""
+        if self._jobs:
+            wait([job.future for _, job in self._jobs.values()], timeout=max(0.0, self.deadline() - time.monotonic()),
+                 return_when=FIRST_COMPLETED)
+
+
 class CompilePool:
     """Compiles grammar specs on `limits.threads` threads. `build()` makes the xgrammar compiler
     (the tokenizer's token table, ~0.1-0.4 s) on the first compile, in a pool thread; `matcher(
@@ -220,11 +272,6 @@ class CompilePool:
             out = (self._durations, self._refusals)
             self._durations, self._refusals = [], []
         return out
-
-    @staticmethod
-    def wait_any(compiles: list[Compile], timeout: float) -> None:
-        """Block until one of `compiles` finished or `timeout` seconds passed."""
-        wait([c.future for c in compiles], timeout=max(0.0, timeout), return_when=FIRST_COMPLETED)
 
     def shutdown(self) -> None:
         for _ in self._threads:
