@@ -11,7 +11,9 @@
 * cancel: the worker owning a request (meta.owner) reads its own control stream between steps,
   so a cancel is routed there; the flag `p:{r:<rid>}:cancel` covers a request not yet taken.
 * attach (resume): meta.gw = this gateway and HINCRBY meta.att in one MULTI on slot {r:rid},
-  then an `attach` control to the owner, which answers with an `att` marker in our inbox.
+  then an `attach` control to the owner, which answers with an `att` marker in our inbox; when
+  the request was another gateway's, a `moved` notice into THAT gateway's inbox (only if it still
+  exists: NOMKSTREAM), so a socket of it still holding the request ends it `resumed_elsewhere`.
 * orphans: a socket that drops parks its unfinished requests as "rid|att" in `p:{reg}:orphans`
   with a deadline; whichever replica's sweeper pops one cancels it unless meta.att moved (a
   resume happened meanwhile), so the grace works across replicas and survives the parker.
@@ -27,9 +29,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.events import HISTORY_TYPES, HistoryEvent, decode_event
-from shared.streams import (ENTRY_FIELD, META_ATT, META_BG, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str,
-                            encode_attach, encode_cancel)
+from shared.events import HISTORY_TYPES, HistoryEvent, Moved, decode_event
+from shared.streams import (ENTRY_FIELD, INBOX_MAXLEN, META_ATT, META_BG, META_GW, META_KEY, META_OWNER, Keys,
+                            RequestEntry, as_str, encode_attach, encode_cancel, pack_event_list)
 
 log = logging.getLogger("gateway.submit")
 
@@ -242,6 +244,9 @@ class Submitter:
             old_gw = as_str(old_gw) if old_gw is not None else None
             if old_gw and old_gw != self.gw_id:
                 pipe.srem(self.keys.gw_reqs(old_gw), rid)
+                # a gone gateway's inbox is not made again (it would never expire)
+                pipe.xadd(self.keys.inbox(old_gw), {ENTRY_FIELD: pack_event_list([Moved(rid, int(att)).encode()])},
+                          maxlen=INBOX_MAXLEN, approximate=True, nomkstream=True)
             await pipe.execute()
         owner = as_str(owner) if owner is not None else None
         if owner:

@@ -44,6 +44,7 @@ from shared.sampling import SamplingParams
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
+INBOX_MAXLEN = 10000     # entries of a gateway's inbox (approximate MAXLEN): each holds one flush's events
 
 # fields of p:{r:rid}:meta
 META_KEY = "key"        # API key id of the request's owner (resume must present the same key)

@@ -73,7 +73,7 @@ from shared.config import Settings
 from shared.aio import wait_event
 from shared.errors import ErrorCode
 from shared.events import AttachMarker
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, pack_event_list
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, INBOX_MAXLEN, Keys, pack_event_list
 from shared.logs import rid_of
 from worker.engine import StepOutput
 from worker.events import InFlight
@@ -83,7 +83,6 @@ from worker.redis_io import TRANSIENT, count_error
 log = logging.getLogger("worker.output")
 
 MAX_WRITE_FAILURES = 8           # refused writes (with backoff, ~5 s) before a request is given up
-INBOX_MAXLEN = 10000             # entries; each holds one flush's events for one gateway
 INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
 ROUND_TRIP_TIMEOUT_S = 10.0      # one commit round trip (its client has no per-reply timeout)
 
