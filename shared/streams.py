@@ -54,6 +54,7 @@ META_LEASE = "lease"    # ms on Redis's clock until which owner's claim holds (r
 META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
 META_ATT = "att"        # attach counter: bumped by every resume
 META_BG = "bg"          # "1": a background response (nobody need listen: never cancelled as an orphan)
+META_ORPHANED = "orph"  # "1": an orphan sweep cancelled it (nobody resumed it within the grace; gateway.submit)
 
 
 @dataclass(frozen=True)
