@@ -162,6 +162,7 @@ async def test_a_resend_racing_the_orphan_sweep_completes_exactly(redis_server, 
     g = settings(stack, resume_grace_s=0.2, sweep_interval_s=0.05)
     auth = {"Authorization": f"Bearer {KEY_A}"}
     keys = stack.keys
+    early_key, late_key = f"early-{uuid.uuid4().hex}", f"late-{uuid.uuid4().hex}"
     rids: dict[str, str] = {}
     deciding, decide = asyncio.Event(), asyncio.Event()
 
@@ -180,17 +181,17 @@ async def test_a_resend_racing_the_orphan_sweep_completes_exactly(redis_server, 
                 gw.probe.intercept_orphan_cancel(hold_the_early_one)
             before = await entries(redis_client, stack)
             c1 = await GatewayClient.connect(gw_a.ws_url, headers=auth)
-            rids["early"] = await c1.generate("e", prompt="x", max_tokens=30, idempotency_key="order-early")
-            rids["late"] = await c1.generate("l", prompt="x", max_tokens=31, idempotency_key="order-late")
+            rids["early"] = await c1.generate("e", prompt="x", max_tokens=30, idempotency_key=early_key)
+            rids["late"] = await c1.generate("l", prompt="x", max_tokens=31, idempotency_key=late_key)
             c1.ws.transport.abort()                  # gone: both are parked, the grace runs out
 
             async def swept() -> bool:     # the late one cancelled; the sweep holds at the early one
                 return deciding.is_set() and bool(await redis_client.exists(keys.cancel(rids["late"])))
             assert await eventually(swept, timeout=10)
             c2 = await GatewayClient.connect(gw_b.ws_url, headers=auth)
-            early = await c2.send_generate("e", prompt="x", max_tokens=30, idempotency_key="order-early")
+            early = await c2.send_generate("e", prompt="x", max_tokens=30, idempotency_key=early_key)
             assert early["type"] == "accepted" and early["request_id"] == rids["early"], early   # attached
-            late = await c2.send_generate("l", prompt="x", max_tokens=31, idempotency_key="order-late")
+            late = await c2.send_generate("l", prompt="x", max_tokens=31, idempotency_key=late_key)
             assert late["type"] == "accepted" and late["request_id"] != rids["late"], late       # started again
             decide.set()                               # the sweep decides now: the early one was resumed
             stack.worker.signal(signal.SIGCONT)
@@ -199,7 +200,7 @@ async def test_a_resend_racing_the_orphan_sweep_completes_exactly(redis_server, 
                 assert done["finish_reason"] == "length", (cid, done)
                 assert "".join(ch["text"] for ch in chunks) == expected_text(n) and done["seq"] == n
             # the key names the new request now: sent once more, it attaches to that one
-            again = await c2.send_generate("l2", prompt="x", max_tokens=31, idempotency_key="order-late")
+            again = await c2.send_generate("l2", prompt="x", max_tokens=31, idempotency_key=late_key)
             assert again["request_id"] == late["request_id"]
             chunks, _ = await c2.until_done("l2", timeout=30)
             assert "".join(ch["text"] for ch in chunks) == expected_text(31)

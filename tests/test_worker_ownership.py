@@ -305,3 +305,24 @@ async def test_a_redis_paused_past_the_lease_cannot_stretch_the_owners_deadline(
         server.proc.send_signal(signal.SIGCONT)
         await redis.aclose()
         server.stop()
+
+
+async def test_keep_tells_a_lease_that_redis_refused_to_extend():
+    """Redis full (`noeviction`): KEEP still answers, but its HSET of the lease is refused. The
+    owner is told (the output writer counts it as a refused write, so the request is given up
+    like any other Redis refuses), and the deadline is not moved."""
+    server = LocalRedis().start()        # its own server: this test fills it
+    redis = aioredis.from_url(server.url)
+    try:
+        keys, s = Keys("full"), settings("full")
+        own = Ownership(redis, keys, s, "wa")
+        st = InFlight.start("r", "1-0", None, Progress(), epoch=(await own.take("r")).epoch)
+        await redis.config_set("maxmemory-policy", "noeviction")
+        await redis.config_set("maxmemory", str(int((await redis.info("memory"))["used_memory"]) // 2))
+        assert await own.keep([st]) == [Kept(False, False, None, True)]
+        await redis.config_set("maxmemory", "0")
+        [kept] = await own.keep([st])
+        assert kept.lease_until is not None and not kept.refused
+    finally:
+        await redis.aclose()
+        server.stop()

@@ -80,6 +80,7 @@ class InFlight:
     fenced: bool = False                 # another worker took it over: write nothing more
     lease_until: float = float("inf")    # time.monotonic() until which our ownership lease surely holds
     lease_lapsed: bool = False           # that deadline passed unrenewed: its output is held (worker.leases)
+    lease_refused: bool = False          # the last keep-fresh round found Redis refusing to extend it (OOM)
     ttl_set: bool = False                # this run has set the history stream's TTL
     dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
     worker: str = ""                     # this worker's id, named in the final event

@@ -9,9 +9,9 @@ and the entry in our pending list (PEL); meta is the truth, and the PEL follows 
   past its deadline): per request we own, extend the lease and read the cancel flag
   (worker.ownership's KEEP), and move the request's `lease_until` to that round's deadline
   (counted from when it was sent, so a stalled Redis cannot stretch it); a request whose epoch
-  moved on was taken over: dropped here. Then XCLAIM ... JUSTID of every entry we own: resets its idle time (a slow but healthy
-  worker's requests are never claimed away), and brings back one another consumer claimed (that
-  worker found our lease alive and left the request to us);
+  moved on was taken over: dropped here. Then XCLAIM ... JUSTID of every entry we own: resets
+  its idle time (a slow but healthy worker's requests are never claimed away), and brings back
+  one another consumer claimed (that worker found our lease alive and left the request to us);
 * hand back (drain, a dead or unhealthy engine, entries we cannot run): XCLAIM the entries to
   ourselves with an IDLE far above claim_idle_ms, so the next XAUTOCLAIM elsewhere takes them
   at once, and clear owner and lease of the requests (RELEASE, only while still ours).
@@ -74,7 +74,7 @@ class Leases:
         if not states:
             return
         verdicts = await self.ownership.keep(states)
-        kept = []
+        kept, renewed = [], 0
         for st, verdict in zip(states, verdicts):
             if verdict.taken_over:       # its epoch moved on: another worker took it over
                 if self.table.holds(st) and not st.final_written:
@@ -83,13 +83,16 @@ class Leases:
                     self.table.drop(st)
                 continue
             kept.append(st)
+            st.lease_refused = verdict.refused
             if verdict.lease_until is not None and verdict.lease_until > st.lease_until:
                 st.lease_until = verdict.lease_until
                 if st.lease_lapsed and st.may_write(time.monotonic()):
                     st.lease_lapsed = False
-                    log.info("request %s: lease renewed, writing its output again", st.rid, extra=rid_of(st.rid))
+                    renewed += 1
             if verdict.cancelled and self.table.holds(st) and not st.engine_done:
                 self.engine.submit(Cancel(st.rid, received_at=time.time()))
+        if renewed:
+            log.info("%d request(s) whose output was held for their lease: renewed, writing again", renewed)
         if any(st.lease_lapsed and not st.may_write(time.monotonic()) for st in kept):
             self._renew.set()            # renewed, but its reply came after the deadline: again
         if kept:

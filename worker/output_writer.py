@@ -40,7 +40,8 @@ Ownership deadline: a request is written only while this worker's lease on it su
 when that round was sent; worker.ownership). Past it, unrenewed (Redis stalled longer than the
 lease, or this process was starved), its events and markers stay queued, not refused and not
 dropped, and keep-fresh is asked to renew at once (`on_lapsed`); a renewal lets them go out, a
-takeover drops the request. So a worker never emits for a request it cannot be sure it owns.
+takeover drops the request. So a worker never emits for a request it cannot be sure it owns. A
+lease Redis answered it would not extend (refusing writes) counts as a refused write (below).
 
 Failures: a transient error (connection lost) raises, nothing is dropped, the caller retries
 with backoff. A request whose write Redis refuses (e.g. OOM under `maxmemory` + `noeviction`)
@@ -189,8 +190,12 @@ class OutputWriter:
         states = [st for st in states if not st.fenced]
         for st in states:
             st.freeze()
-            if not st.may_write(now) and (st.unsent or st.marker_att is not None):
-                self._lapsed(st, now)
+        held = [st for st in states if not st.may_write(now) and (st.unsent or st.marker_att is not None)]
+        if held:
+            self._lapsed(held, now)
+        for st in held:     # Redis answered but refused to extend the lease: as good as a refused write
+            if st.lease_refused and st.retry_at <= now:
+                self._refused(st, ResponseError("OOM Redis refused to extend this request's lease"), now)
         writing = [(st, list(st.unsent)) for st in states if st.unsent and st.retry_at <= now and st.may_write(now)]
         # attach markers are built before the history write: "everything <= S is in history"
         markers = {st.rid: st.marker() for st in states if st.gw and st.marker_att is not None and st.may_write(now)}
@@ -313,15 +318,18 @@ class OutputWriter:
                     extra=rid_of(st.rid))
         self.on_fenced(st)
 
-    def _lapsed(self, st: InFlight, now: float) -> None:
-        """Our lease on st passed its deadline unrenewed: hold its output (it stays queued) and
-        have keep-fresh renew the lease now."""
-        if not st.lease_lapsed:
+    def _lapsed(self, held: list[InFlight], now: float) -> None:
+        """Our leases on `held` passed their deadlines unrenewed: hold their output (it stays
+        queued) and have keep-fresh renew the leases now."""
+        new = [st for st in held if not st.lease_lapsed]
+        for st in new:
             st.lease_lapsed = True
-            self.stats["lease_lapses"] += 1
-            log.warning("request %s: our lease passed its deadline %.2f s ago unrenewed (Redis stalled?); holding "
-                        "its output until it is renewed", st.rid, now - st.lease_until, extra=rid_of(st.rid))
-        self.on_lapsed(st)
+        if new:
+            self.stats["lease_lapses"] += len(new)
+            log.warning("%d request(s): our lease passed its deadline unrenewed (up to %.2f s ago: Redis stalled?); "
+                        "holding their output until it is renewed", len(new), max(now - st.lease_until for st in new))
+        for st in held:
+            self.on_lapsed(st)
 
     def _refused(self, st: InFlight, exc: Exception, now: float) -> None:
         count_error(exc)

@@ -83,20 +83,20 @@ return {'TAKEN', epoch, gw_att[1], gw_att[2], cancelled, history}
 """
 
 # KEYS: meta, cancel. ARGV: worker, epoch, lease_ms, ttl_s. Returns -1 when meta.epoch is not ARGV[2] any more
-# (another worker took the request over), else the cancel flag (0/1) plus 2 when the lease was extended. Extends
-# the lease only while `owner` is still this worker (after the final, or for an ack-only request, it is not:
-# nothing to extend). Writes go through pcall: a Redis refusing writes (OOM) still answers, and the lease then
-# simply is not extended (nor counted as extended).
+# (another worker took the request over), else the cancel flag (0/1), plus 2 when the lease was extended, or
+# plus 4 when Redis refused to extend it. Extends the lease only while `owner` is still this worker (after the
+# final, or for an ack-only request, it is not: nothing to extend). Writes go through pcall: a Redis refusing
+# writes (OOM) still answers, and the lease then simply is not extended (reported as refused).
 KEEP = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
-local renewed = 0
+local extended = 0
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   local t = redis.call('TIME')
   local r = redis.pcall('HSET', KEYS[1], 'lease', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3]))
-  if type(r) ~= 'table' or not r.err then renewed = 2 end
+  if type(r) == 'table' and r.err then extended = 4 else extended = 2 end
 end
 redis.pcall('EXPIRE', KEYS[1], ARGV[4])
-return redis.call('EXISTS', KEYS[2]) + renewed
+return redis.call('EXISTS', KEYS[2]) + extended
 """
 
 # KEYS: meta. ARGV: worker, epoch. Clears owner and lease if they are still this worker's at this epoch.
@@ -125,6 +125,7 @@ class Kept:
     taken_over: bool              # its epoch moved on: another worker took it over
     cancelled: bool               # its cancel flag is set
     lease_until: float | None     # extended: time.monotonic() until which it surely holds (sent + lease); None: not
+    refused: bool = False         # Redis answered but refused to extend it (it refuses writes: OOM)
 
 
 @dataclass
@@ -196,7 +197,8 @@ class Ownership:
             for st in states])
         until = sent + self.lease_ms / 1000
         return [Kept(False, False, None) if isinstance(r, Exception) else
-                Kept(int(r) < 0, int(r) > 0 and bool(int(r) & 1), until if int(r) >= 2 else None) for r in replies]
+                Kept(int(r) < 0, int(r) > 0 and bool(int(r) & 1), until if int(r) > 0 and int(r) & 2 else None,
+                     int(r) > 0 and bool(int(r) & 4)) for r in replies]
 
     def release_in(self, pipe, states: Iterable[InFlight]) -> None:
         """Queue RELEASE for `states` on `pipe` (hand back; the script must be loaded: `load()`)."""
