@@ -36,7 +36,7 @@ from shared.logs import rid_of
 from shared.protocol import MIN_ANONYMOUS_IDEMPOTENCY_CHARS, Generate
 from shared.sampling import SamplingParams
 from shared.streams import RequestEntry
-from shared.structured import grammar_for
+from shared.structured import grammar_for, tool_mode
 
 
 log = logging.getLogger("gateway.requests")
@@ -124,7 +124,8 @@ class RequestStarter:
         release = self.bookkeeper.take_releases(key_id) + ([replaces] if replaces else [])
         try:
             # rate limit + concurrency lease + queue: one round trip
-            first = await self.submitter.submit(entry, release=release, idem=idem, replaces=replaces)
+            first = await self.submitter.submit(entry, release=release, idem=idem, replaces=replaces,
+                                                tool_mode=tool_mode(msg.tools, msg.tool_choice))
         except ProtocolError as exc:
             requests.drop(req)
             exc.request_id = cid

@@ -55,6 +55,8 @@ META_EPOCH = "epoch"    # bumped by every worker that takes the request (first r
 META_ATT = "att"        # attach counter: bumped by every resume
 META_BG = "bg"          # "1": a background response (nobody need listen: never cancelled as an orphan)
 META_ORPHANED = "orph"  # "1": an orphan sweep cancelled it (nobody resumed it within the grace; gateway.submit)
+META_TOOLS = "tm"       # how a chat answer is read for tool calls (auto | forced; absent: plain text), so
+                        # a resume on any replica parses it as the first stream did
 
 
 @dataclass(frozen=True)
