@@ -230,7 +230,8 @@ class _ScrapeCollector:
         yield _counter("worker_fenced_writes", "writes refused because another worker took the request over",
                        writer_stats.get("fenced", 0))
         yield _counter("worker_lease_lapses", "times a request's ownership lease passed its deadline (counted "
-                       "from when its renewal was sent) unrenewed, so its output was held", writer_stats.get("lease_lapses", 0))
+                       "from when its renewal was sent) unrenewed, so its output was held",
+                       writer_stats.get("lease_lapses", 0))
         yield _gauge("worker_requests_lease_lapsed", "requests whose output is held now: their ownership lease passed "
                      "its deadline unrenewed (Redis stalled past the lease)", float(src.get("lease_lapsed") or 0))
         yield _counter("worker_continuations", "requests continued after another worker's failure",
