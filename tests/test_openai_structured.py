@@ -155,8 +155,9 @@ def check_call(name: str, arguments: str) -> None:
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 async def test_a_forced_call_is_made_and_validates(gw, choice):
-    """A forced call is made, validates and streams the same; also with a `response_format` beside it, accepted as OpenAI accepts it (the Agents SDK
-    sends its output_type so) and changing nothing: a forced turn has no text to format."""
+    """A forced call is made, validates and streams the same; also with a `response_format` beside
+    it, accepted as OpenAI accepts it (the Agents SDK sends its output_type so) and changing
+    nothing: a forced turn has no text to format."""
     made = []
     for seed in (1, 2, 3):
         r = await chat(gw, tools=[WEATHER, TIME], tool_choice=choice, temperature=1.0, seed=seed)
