@@ -119,9 +119,10 @@ class Hub:
                                 sessions=self.sessions, metrics=self.metrics)
         files = FileStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
         batches = BatchStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
+        responses = ResponseStore(self.redis, self.keys, self.submitter, s.responses_ttl_s)
         self.batch_runner = BatchRunner(
             self.redis, s, gw_id=self.gw_id, gateways_key=self.keys.gateways, store=batches, files=files,
-            lines=LineRunner(self.core, self.http_session, batches, s.served_model_name),
+            lines=LineRunner(self.core, self.http_session, batches, s.served_model_name, responses),
             draining=lambda: self.sessions.draining)
         self.housekeeping = Housekeeping(gateway_duties(
             s, sessions=self.sessions, cancel_watch=self.cancel_watch, submitter=self.submitter,
@@ -133,7 +134,7 @@ class Hub:
         self.http = HttpFront(core=self.core, key_checker=self.key_checker, settings=s, metrics=self.metrics,
                               http_session=self.http_session,
                               ask_worker=WorkerAsk(self.reader, self.router, self.submitter, self.gw_id),
-                              responses=ResponseStore(self.redis, self.keys, self.submitter, s.responses_ttl_s),
+                              responses=responses,
 
                               files=files, batches=batches)
         self.probe = GatewayProbe(sessions=self.sessions, metrics=self.metrics, reader=self.reader,
