@@ -54,6 +54,7 @@ from gateway.ws.dispatch import MessageHandler
 from gateway.ws.endpoint import WebSocketFront
 from gateway.ws.socket import FrameSocket
 from gateway.ws.socket_caps import SocketCaps, SocketClaim
+from gateway.ws.tool_frames import ToolFrames
 from shared.backlog import read_backlog
 from shared.redis_client import connect
 from shared.streams import Keys
@@ -194,6 +195,7 @@ class Hub:
         wake = WakeEvent()       # set whenever the sender has something to do
         requests = self.request_table(wake)
         sender = Sender(socket, requests, wake, self.settings, self.metrics)
+        socket.tools = ToolFrames(self.submitter.read_history)
         handler = MessageHandler(socket, sender, requests, settings=self.settings, metrics=self.metrics,
                                  key_checker=self.key_checker, core=self.core, key_id=key_id, claim=claim)
         return Connection(socket, requests, sender, handler, self.sessions, self.metrics)
