@@ -195,7 +195,7 @@ class Hub:
         wake = WakeEvent()       # set whenever the sender has something to do
         requests = self.request_table(wake)
         sender = Sender(socket, requests, wake, self.settings, self.metrics)
-        socket.tools = ToolFrames(self.submitter.read_history)
+        socket.tools = ToolFrames(self.core.text_through)
         handler = MessageHandler(socket, sender, requests, settings=self.settings, metrics=self.metrics,
                                  key_checker=self.key_checker, core=self.core, key_id=key_id, claim=claim)
         return Connection(socket, requests, sender, handler, self.sessions, self.metrics)

@@ -100,8 +100,8 @@ class Submitter:
         `release`: leases of the same key that ended here and are not yet released (the
         bookkeeper's queue), released first in the same round trip. `idem`: the request's
         idempotency key (Redis key, `Keys.idem`): when it already started a request, nothing is
-        queued and that request's rid is returned (None otherwise). `tool_mode`: kept in the
-        request's meta, for a resume that reads calls out of its text."""
+        queued and that request's rid is returned (None otherwise). `tool_mode`: how its answer is
+        read for tool calls (kept in its meta for a resume)."""
         key_id, rid = entry.key_id, entry.rid
         minute = int(self.clock() // 60)
         lua_keys = [self.keys.rate(key_id, minute), self.keys.conc(key_id), self.keys.requests]
@@ -118,7 +118,9 @@ class Submitter:
                 # execute_command: redis-py's cluster pipeline refuses its evalsha() helper, but
                 # routes a raw EVALSHA by its keys like any other command
                 pipe.execute_command("EVALSHA", self._sha, len(lua_keys), *lua_keys, *lua_args)
-                meta = {META_KEY: key_id, META_GW: self.gw_id, **({META_TOOLS: tool_mode} if tool_mode else {})}
+                meta = {META_KEY: key_id, META_GW: self.gw_id}
+                if tool_mode:
+                    meta[META_TOOLS] = tool_mode
                 pipe.hset(self.keys.meta(rid), mapping=meta)
                 pipe.expire(self.keys.meta(rid), self.ttl)
                 pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)

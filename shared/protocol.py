@@ -228,7 +228,7 @@ class ToolCallStart(_Msg):
     id: str
     seq: int
     index: int                       # the call's position in the answer, from 0
-    call_id: str                     # call_<request_id>_<index>: the same on every replica and resume
+    call_id: str                     # derived from the request id and index: the same on every replica and resume
     name: str
 
 

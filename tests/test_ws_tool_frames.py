@@ -12,9 +12,9 @@ import json
 import random
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.ws.tool_frames import ToolFrames, text_upto
-from shared.events import TokEvent
+from gateway.ws.tool_frames import ToolFrames
 from shared.protocol import Chunk, Done, ToolCallDelta, ToolCallDone, ToolCallStart, Usage
 
 RID = "ab" * 16
@@ -25,22 +25,12 @@ TEXTS = {"forced": CALL, "auto": AUTO}
 
 
 def tokens(text: str) -> list[str]:
-    """The text as tokens of 1 to 3 characters (fixed: the history's events are cut from these)."""
+    """The text as tokens of 1 to 3 characters (a fixed cut)."""
     rng, out, i = random.Random(7), [], 0
     while i < len(text):
         n = rng.randint(1, 3)
         out.append(text[i:i + n])
         i += n
-    return out
-
-
-def history(toks: list[str], per_event: int = 4) -> list[TokEvent]:
-    """The request's history as the worker writes it: multi-token events with per-token lengths."""
-    out = []
-    for start in range(0, len(toks), per_event):
-        part = toks[start:start + per_event]
-        out.append(TokEvent(RID, start + len(part), list(range(len(part))), "".join(part), 1, 0,
-                            lens=[len(t) for t in part]))
     return out
 
 
@@ -85,7 +75,7 @@ def check_order(frames: list) -> None:
             assert f.seq == nxt.seq, (f, nxt)
 
 
-async def no_history(rid: str, after: int):
+async def no_history(rid: str, seq: int):
     raise AssertionError("a request tracked from its first token reads no history")
 
 
@@ -103,7 +93,8 @@ async def test_frames_are_a_function_of_the_text(mode):
     calls = results[0]
     names = ["get_weather"] if mode == "forced" else ["get_weather", "get_time"]
     assert [c["start"]["name"] for c in calls.values()] == names
-    assert [c["start"]["call_id"] for c in calls.values()] == [f"call_{RID}_{i}" for i in range(len(names))]
+    ids = [c["start"]["call_id"] for c in calls.values()]
+    assert len(set(ids)) == len(ids) and all(i.startswith("call_") and RID not in i for i in ids)   # (rid: a secret)
     for c in calls.values():
         whole = c["done"]["arguments"]
         json.loads(whole)
@@ -114,11 +105,10 @@ async def test_frames_are_a_function_of_the_text(mode):
 @pytest.mark.parametrize("mode", ["forced", "auto"])
 async def test_a_resume_after_any_chunk_gives_exactly_the_rest(mode):
     toks = tokens(TEXTS[mode])
-    events = history(toks)
 
-    async def read_history(rid: str, after: int):
-        assert rid == RID and after == 0
-        return events
+    async def text_through(rid: str, seq: int) -> str:       # (RequestCore.text_through: from the history)
+        assert rid == RID
+        return "".join(toks[:seq])
 
     first_cuts = list(range(3, len(toks), 4))
     whole = ToolFrames(no_history)
@@ -127,7 +117,7 @@ async def test_a_resume_after_any_chunk_gives_exactly_the_rest(mode):
     want = calls_of(original)
     for last in first_cuts + [len(toks)]:
         had = original[:original.index(next(f for f in original if isinstance(f, Chunk) and f.seq == last)) + 1]
-        again = ToolFrames(read_history)
+        again = ToolFrames(text_through)
         again.track("r1", RID, mode, after_seq=last)
         rest = await run(again, toks, list(range(last + 1, len(toks))), last)    # cut otherwise than before
         check_order(rest)
@@ -138,21 +128,13 @@ async def test_a_resume_after_any_chunk_gives_exactly_the_rest(mode):
             assert calls_of(original[:-1] + rest, repeats_ok=True) == want
 
 
-def test_text_upto_cuts_the_history_at_any_token():
-    toks = tokens(AUTO)
-    events = history(toks)
-    for last in range(len(toks) + 1):
-        assert text_upto(events, last) == "".join(toks[:last])
-    assert text_upto(events, len(toks) + 1) is None       # past what the history holds
-
-
 async def test_a_request_without_tools_or_an_unreadable_history_gets_no_frames():
     frames = ToolFrames(no_history)
     frames.track("r1", RID, None)
     assert await frames.frames(Chunk(id="r1", seq=1, text="<tool_call>", tokens=1)) == []
 
-    async def gone(rid: str, after: int):
-        return []                                        # trimmed: the text cannot be rebuilt
+    async def gone(rid: str, seq: int) -> str:
+        raise RedisConnectionError("Redis is away")
     resumed = ToolFrames(gone)
     resumed.track("r1", RID, "forced", after_seq=5)
     assert await resumed.frames(Chunk(id="r1", seq=9, text=CALL[20:40], tokens=4)) == []

@@ -157,7 +157,7 @@ class LineRunner:
 
         async def writer(req: RequestState) -> OpenAIResponse:
             return OpenAIResponse(_discard, oai_id=req.client_id, model=self.model, stream=False, include_usage=False,
-                                  role_chunk=False, tools=structured.parser_for(body))
+                                  role_chunk=False, tools=structured.parser_for(body, req.rid))
         return _Call(message, CHAT_PREFIX if chat else TEXT_PREFIX, writer, _nothing)
 
     async def _response(self, line: BatchLine, key_id: str) -> _Call:

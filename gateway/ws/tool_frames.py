@@ -9,8 +9,9 @@ Exact across a resume, on any replica:
 * the frames a chunk's text gives go out just *before* that chunk, with its `seq`, so a client
   that has chunk S has every frame of the text up to token S;
 * a resume after `last_seq` L primes a fresh parser with the text up to token L (read from the
-  request's history) and sends only what follows. The parser's output depends on the text
-  alone, not on how it was cut into chunks, and call ids are the request's (`call_<rid>_<i>`);
+  request's history: RequestCore.text_through, as the SSE resume does) and sends only what
+  follows. The parser's output depends on the text alone, not on how it was cut into chunks,
+  and call ids derive from the request id (gateway.openai.structured.resumed_parser);
 * what only the end tells (a call's last characters — a `}` that could not be told from the
   JSON's own end — and its completion) goes out before `done` as `tool_call_done` with the
   whole arguments (and `tool_call` for a call only the end revealed), never as a delta; a
@@ -26,32 +27,12 @@ from typing import Awaitable, Callable
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from gateway.openai.tool_calls import ToolCallParser
-from shared.events import HistoryEvent, TokEvent
+from gateway.openai.structured import resumed_parser
 from shared.protocol import Chunk, Done, ToolCallDelta, ToolCallDone, ToolCallStart
 
 log = logging.getLogger("gateway.connection")
 
-ReadHistory = Callable[[str, int], Awaitable[list[HistoryEvent]]]
-
-
-def text_upto(events: list[HistoryEvent], last: int) -> str | None:
-    """The output's text up to token `last`, from its history (None: it cannot be cut there)."""
-    out, have = [], 0
-    for ev in events:
-        if not isinstance(ev, TokEvent) or ev.seq <= have:
-            continue
-        if ev.seq <= last:
-            out.append(ev.text)
-        else:
-            if have < last:
-                rest = ev.tail(last)
-                if rest is None:
-                    return None
-                out.append(ev.text[:len(ev.text) - len(rest.text)])
-            return "".join(out)
-        have = ev.seq
-    return "".join(out) if have >= last else None
+TextThrough = Callable[[str, int], Awaitable[str]]     # (rid, seq) -> the output's text through token seq
 
 
 class _Calls:
@@ -60,12 +41,14 @@ class _Calls:
     def __init__(self, client_id: str, rid: str, mode: str, prime: int):
         self.client_id = client_id
         self.rid = rid
-        self.parser = ToolCallParser(mode, call_id=lambda i: f"call_{rid}_{i}")
+        self.mode = mode
+        self.parser = resumed_parser(mode, "", rid)
         self.prime = prime                   # tokens the client has: read from the history first
         self.done: set[int] = set()
 
     def primed(self, text: str) -> None:
-        self.parser.feed(text)
+        """The client has the frames of `text` (the output through token `prime`)."""
+        self.parser = resumed_parser(self.mode, text, self.rid)
         self.done.update(c.index for c in self.parser.closed_calls())
         self.prime = 0
 
@@ -102,8 +85,8 @@ class _Calls:
 class ToolFrames:
     """A socket's requests with tools; `frames(msg)` before each of their chunks and `done`."""
 
-    def __init__(self, read_history: ReadHistory):
-        self.read_history = read_history
+    def __init__(self, text_through: TextThrough):
+        self.text_through = text_through
         self.calls: dict[str, _Calls] = {}
 
     def track(self, client_id: str, rid: str, mode: str | None, *, after_seq: int = 0) -> None:
@@ -125,11 +108,9 @@ class ToolFrames:
 
     async def _prime(self, calls: _Calls) -> bool:
         try:
-            text = text_upto(await self.read_history(calls.rid, 0), calls.prime)
-        except (RedisError, OSError) as exc:
-            text = None
+            text = await self.text_through(calls.rid, calls.prime)
+        except (RedisError, OSError) as exc:     # no frames rather than wrong ones; the chunks carry the text
             log.warning("tool frames of %s after a resume: history unreadable (%s)", calls.rid, exc)
-        if text is None:     # no frames rather than wrong ones; the chunks carry the text
             self.calls.pop(calls.client_id, None)
             return False
         calls.primed(text)
