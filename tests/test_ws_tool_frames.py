@@ -128,6 +128,15 @@ async def test_a_resume_after_any_chunk_gives_exactly_the_rest(mode):
             assert calls_of(original[:-1] + rest, repeats_ok=True) == want
 
 
+async def test_an_error_ends_no_call():
+    toks = tokens(CALL)
+    frames = ToolFrames(no_history)
+    frames.track("r1", RID, "forced")
+    sent = await run(frames, toks, [len(toks) // 2], 0, reason="error")
+    kinds = {type(f) for f in sent}
+    assert ToolCallStart in kinds and ToolCallDelta in kinds and ToolCallDone not in kinds
+
+
 async def test_a_request_without_tools_or_an_unreadable_history_gets_no_frames():
     frames = ToolFrames(no_history)
     frames.track("r1", RID, None)

@@ -102,6 +102,8 @@ class ToolFrames:
             return []
         if isinstance(msg, Done):
             del self.calls[msg.id]
+            if msg.finish_reason == "error":      # not an end of the answer (moved elsewhere, lost, failed)
+                return []
         if calls.prime and not await self._prime(calls):
             return []
         return calls.step(msg.seq, msg.text) if isinstance(msg, Chunk) else calls.end(msg.seq)
