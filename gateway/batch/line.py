@@ -83,7 +83,8 @@ class LineRunner:
             call = await (self._response(line, key_id) if line.url == RESPONSES else self._chat(line))
             attempt = await self.store.attempt(batch_id, line.index)
             rid = secrets.token_hex(16)
-            msg = call.message(call.prefix + rid, priority="batch", idempotency_key=f"{batch_id}:{line.index}:{attempt}")
+            msg = call.message(call.prefix + rid, priority="batch",
+                               idempotency_key=f"{batch_id}:{line.index}:{attempt}")
         except APIError as exc:
             return await self._answer(batch_id, line, exc.status, exc.body(), rid=None)
         except (RedisError, OSError):
