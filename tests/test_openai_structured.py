@@ -46,6 +46,10 @@ SCHEMAS = {
 }
 
 
+SCHEMA_LIMIT = 1500      # the worker's GRAMMAR_MAX_SCHEMA_BYTES here: every other schema here fits (<= ~0.7 KB)
+BIG = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(60)}}   # ~1.9 KB
+
+
 @pytest.fixture(scope="module")
 def tool_model_dir(tmp_path_factory):
     return make_tool_model_dir(tmp_path_factory.mktemp("tool-model") / "qwen2")
@@ -54,7 +58,7 @@ def tool_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tool_stack(redis_server, tool_model_dir, tmp_path_factory):
     with prefix_with_worker(redis_server.url, tool_model_dir, tmp_path_factory.mktemp("tool-logs"),
-                            name="w-tools") as prefix:
+                            name="w-tools", env={"GRAMMAR_MAX_SCHEMA_BYTES": SCHEMA_LIMIT}) as prefix:
         yield prefix
 
 
@@ -144,6 +148,24 @@ async def test_a_bad_response_format_is_a_typed_400(gw, fmt):
                     pass
         body = info.value.body
         assert body["type"] == "invalid_request_error" and body["param"] == "response_format", body
+
+
+async def test_a_schema_over_the_size_limit_is_a_typed_400_naming_its_field(gw):
+    """GRAMMAR_MAX_SCHEMA_BYTES refuses in the worker, before any compile: a 400 whose `param` is
+    the field the schema came from (`tools` for a forced call's), streamed or not."""
+    big_fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": BIG}}
+    big_tool = {"type": "function", "function": {"name": "big", "parameters": BIG}}
+    for fields, param in (({"response_format": big_fmt}, "response_format"),
+                          ({"tools": [big_tool], "tool_choice": "required"}, "tools")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                r = await chat(gw, stream=stream, **fields)
+                if stream:
+                    async for _ in r:
+                        pass
+            body = info.value.body
+            assert (body["type"], body["param"]) == ("invalid_request_error", param), body
+            assert "GRAMMAR_MAX_SCHEMA_BYTES" in body["message"] and str(SCHEMA_LIMIT) in body["message"], body
 
 
 # ---------------------------------------------------------------- tools
@@ -356,6 +378,13 @@ async def test_websocket_generate_takes_response_format(gw):
         await ws.send(type="generate", id="j2", messages=CHAT, response_format={"type": "json_schema"})
         err = await ws.recv("j2")
         assert err["type"] == "error" and err["code"] == "invalid_request" and "response_format" in err["message"]
+        # refused by the worker (over GRAMMAR_MAX_SCHEMA_BYTES): a typed error naming the field
+        await ws.send(type="generate", id="j3", messages=CHAT,
+                      response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": BIG}})
+        _, done = await ws.until_done("j3")
+        error = done.get("error") or done
+        assert (error["code"], error.get("param")) == ("invalid_request", "response_format"), done
+        assert "GRAMMAR_MAX_SCHEMA_BYTES" in error["message"], done
     finally:
         await ws.close()
 
