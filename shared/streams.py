@@ -11,7 +11,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{q}:rate:<key_id>:<m>  | string | {q}     | per-key rate-limit counter of minute m                      |
 | p:{q}:idem:<owner>:<h>   | string | {q}     | rid of the request an idempotency key started (TTL)         |
 | p:{r:<rid>}:out          | stream | {r:rid} | the request's HISTORY: ids `{seq}-0` tokens, `{seq}-1` final |
-| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att (META_*); TTL output_ttl_s |
+| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att, bg, tm (META_*); TTL output_ttl_s |
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
 | p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
 | p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies); TTL beats |
