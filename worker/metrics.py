@@ -45,8 +45,8 @@ GRAMMAR_REFUSALS = ("too_large", "timeout", "invalid")    # worker.engine.gramma
 class WorkerMetrics:
     def __init__(self, *, sources: Callable[[], dict] | None = None):
         """`sources`: returns the live objects the scrape-time collector reads (`engine`, `stats`,
-        `writer_stats`, `redis_errors`, `kv_block_tokens`, `max_batch`); None for a registry without them
-        (the metric names alone, e.g. for dashboard checks)."""
+        `writer_stats`, `redis_errors`, `kv_block_tokens`, `max_batch`, `lease_lapsed`); None for a
+        registry without them (the metric names alone, e.g. for dashboard checks)."""
         self.registry = r = CollectorRegistry()
         self.sources = sources
         ProcessCollector(registry=r)
@@ -229,6 +229,11 @@ class _ScrapeCollector:
                      1.0 if healthy else 0.0)
         yield _counter("worker_fenced_writes", "writes refused because another worker took the request over",
                        writer_stats.get("fenced", 0))
+        yield _counter("worker_lease_lapses", "times a request's ownership lease passed its deadline (counted "
+                       "from when its renewal was sent) unrenewed, so its output was held",
+                       writer_stats.get("lease_lapses", 0))
+        yield _gauge("worker_requests_lease_lapsed", "requests whose output is held now: their ownership lease passed "
+                     "its deadline unrenewed (Redis stalled past the lease)", float(src.get("lease_lapsed") or 0))
         yield _counter("worker_continuations", "requests continued after another worker's failure",
                        getattr(stats, "continued", 0))
         yield _counter("worker_claims", "entries taken over from other workers (dead, handed back)",
