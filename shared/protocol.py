@@ -18,6 +18,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from shared.errors import ErrorCode, ProtocolError
+from shared.sampling import LOGIT_BIAS_MAX, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, PENALTY_MAX
 from shared.structured import ResponseFormat, Tool, ToolCall, ToolChoice, check_tools, tool_mode
 
 PROTOCOL_VERSION = 1
@@ -83,7 +84,7 @@ class Generate(_ClientMsg):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1000)
+    top_k: int = Field(0, ge=-1, le=1000)     # 0 or -1 (vLLM's "off"): no top-k
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
     priority: Priority = "interactive"
@@ -107,10 +108,24 @@ class Generate(_ClientMsg):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # never end at an EOS token: run to max_tokens (vLLM's extension; benchmarks force lengths)
     ignore_eos: bool = False
+    # vLLM's sampling controls (shared.sampling, docs/protocol.md); logit_bias keys are token ids
+    # written in decimal, as OpenAI's JSON has them
+    presence_penalty: float = Field(0.0, ge=-PENALTY_MAX, le=PENALTY_MAX)
+    frequency_penalty: float = Field(0.0, ge=-PENALTY_MAX, le=PENALTY_MAX)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]] | None = \
+        Field(None, max_length=MAX_LOGIT_BIAS)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(default_factory=list,
+                                                                         max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     _id = field_validator("id")(_check_id)
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature", "top_p", "repetition_penalty")
     @classmethod
     def _finite(cls, value: float) -> float:
         if value != value or value in (float("inf"), float("-inf")):

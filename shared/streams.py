@@ -40,7 +40,7 @@ import msgpack
 
 from shared.events import EVENT_VERSION
 from shared.protocol import MAX_TOP_LOGPROBS, PROTOCOL_VERSION
-from shared.sampling import SamplingParams
+from shared.sampling import NEUTRAL, SamplingParams, invalid_control
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
@@ -177,13 +177,16 @@ class RequestEntry:
             del fields["params"]["logprobs"]    # what workers older than logprobs can read
         if not fields["params"]["ignore_eos"]:
             del fields["params"]["ignore_eos"]  # what workers older than ignore_eos can read
+        for name, neutral in NEUTRAL.items():   # what workers older than these controls can read
+            if fields["params"][name] == neutral:
+                del fields["params"][name]
         return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def decode(cls, raw: bytes) -> "RequestEntry":
         """Raises ValueError on anything malformed (the caller dead-letters it)."""
         try:
-            obj = msgpack.unpackb(raw, raw=False)
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)   # logit_bias: int keys
         except Exception as exc:
             raise ValueError(f"undecodable entry: {exc}") from None
         if not isinstance(obj, dict):
@@ -219,6 +222,8 @@ class RequestEntry:
             raise ValueError("bad cache_salt")
         if type(p.ignore_eos) is not bool:
             raise ValueError("bad ignore_eos")
+        if (bad := invalid_control(p)) is not None:
+            raise ValueError(f"bad {bad[0]}")
         return entry
 
 

@@ -56,7 +56,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         try:
             msg = parse_client_message({"type": "generate", "id": prefix + rid, **fields})
         except ProtocolError as exc:
-            param = "Idempotency-Key" if exc.param == "idempotency_key" else None
+            param = "Idempotency-Key" if exc.param == "idempotency_key" else exc.param
             raise APIError(400, exc.message, code=exc.code.value, param=param) from None
         session = front.http_session()
         try:
@@ -66,7 +66,7 @@ async def _generate(request: Request, chat: bool) -> Response:
                                                    attach_as=lambda first: prefix + first)
         except ProtocolError as exc:
             front.metrics.rejections.labels(exc.code.value).inc()
-            raise APIError.from_code(exc.code, exc.message) from None
+            raise APIError.from_code(exc.code, exc.message, exc.param) from None
         except (RedisError, OSError):
             raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
     except APIError as exc:
