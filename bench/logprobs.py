@@ -39,14 +39,12 @@ TINY = ("llama", dict(vocab_size=49152, hidden_size=64, intermediate_size=128, n
                       tie_word_embeddings=True))
 
 
-def engine_with(model, tok, args, asking: int) -> Engine:
-    """`args.rows` requests decoding (prompts computed), the first `asking` of them with logprobs."""
+def engine_with(model, tok, args, params_of) -> Engine:
+    """`args.rows` requests decoding (prompts computed), request i sampling with `params_of(i)`."""
     engine = Engine(model, tok, EngineConfig(max_batch=args.rows, max_seq_len=args.prompt + args.steps + 32,
                                              prefill_chunk=4096, device=args.device, dtype=model.dtype))
     for i in range(args.rows):
-        params = SamplingParams(max_tokens=args.steps + 16, temperature=args.temperature,
-                                logprobs=args.top if i < asking else None)
-        engine.add(EngineRequest(str(i), [1 + (i * 7 + j) % 40000 for j in range(args.prompt)], params,
+        engine.add(EngineRequest(str(i), [1 + (i * 7 + j) % 40000 for j in range(args.prompt)], params_of(i),
                                  ignore_eos=True))
     while engine.num_waiting or any(s.pending > 1 or s.computed == 0 for s in engine.scheduler.running):
         engine.step()
@@ -55,19 +53,31 @@ def engine_with(model, tok, args, asking: int) -> Engine:
     return engine
 
 
-def measure(model, tok, args, shape: str) -> list[dict]:
-    counts = [int(a) for a in args.asking.split(",")]
-    engines = {a: engine_with(model, tok, args, a) for a in counts}
+def step_times(engines: dict, args, check=lambda key, outs: None) -> dict:
+    """Each engine's step times over `args.steps` rounds, their steps interleaved so that machine
+    noise falls on every configuration alike; `check(key, outputs)` after each step."""
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    times: dict[int, list[float]] = {a: [] for a in counts}
+    times: dict = {key: [] for key in engines}
     for _ in range(args.steps):
-        for a, engine in engines.items():     # interleaved: noise falls on every configuration
+        for key, engine in engines.items():
             sync()
             t = time.perf_counter()
             outs = engine.step()
             sync()
-            times[a].append(time.perf_counter() - t)
-            assert sum(o.logprobs is not None for o in outs) == a
+            times[key].append(time.perf_counter() - t)
+            check(key, outs)
+    return times
+
+
+def measure(model, tok, args, shape: str) -> list[dict]:
+    counts = [int(a) for a in args.asking.split(",")]
+    engines = {a: engine_with(model, tok, args, lambda i, a=a: SamplingParams(
+        max_tokens=args.steps + 16, temperature=args.temperature, logprobs=args.top if i < a else None))
+        for a in counts}
+
+    def check(a, outs):
+        assert sum(o.logprobs is not None for o in outs) == a
+    times = step_times(engines, args, check)
     base = statistics.median(times[counts[0]])
     return [{"shape": shape, "rows": args.rows, "asking": a, "top": args.top,
              "step_ms": round(1000 * statistics.median(times[a]), 3),

@@ -242,6 +242,7 @@ class Error(_Msg):
     code: ErrorCode
     message: str
     retryable: bool = False
+    param: str | None = None         # the request field the error is about, if one
 
 
 class Heartbeat(_Msg):
@@ -354,4 +355,4 @@ def parse_server_message(obj: dict):
 
 
 def error_message(exc: ProtocolError) -> Error:
-    return Error(id=exc.request_id, code=exc.code, message=exc.message, retryable=exc.retryable)
+    return Error(id=exc.request_id, code=exc.code, message=exc.message, retryable=exc.retryable, param=exc.param)

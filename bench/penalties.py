@@ -1,0 +1,87 @@
+"""What penalties and logit bias cost a decode step: the engine's step time at `--rows` decoding
+rows with 0 (the baseline), 8 and all of them using presence + frequency + repetition penalties
+and a `--bias`-entry logit_bias, in the same run.
+
+The cost must fall only on the rows that use them (worker.engine.penalties, logit_bias): 0 using
+pays three integer tests per step; k using pay, on the device, a gather of their [k, vocab]
+counts and seen masks, the penalty arithmetic on their logits (a float32 copy of the step's
+logits), one scatter_add of their bias, and after sampling one index_put of the sampled ids into
+their counts. Three engines share one model (random weights of a real shape, or `tiny`: the
+same 49k vocabulary under a 2-layer 64-wide model, where the forward pass is cheap, as on a GPU,
+and the sampling work shows most), all rows prefilled, EOS masked; their steps are interleaved,
+so machine noise falls on every configuration alike. Median of `--steps`.
+
+    .venv/bin/python bench/penalties.py                          # CPU, SmolLM2-135M's shape and tiny
+    python bench/penalties.py --device cuda --shapes smollm2-135m --tokenizer DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import table, write_json  # noqa: E402
+from bench.engine import RANDOM_CONFIGS, random_model  # noqa: E402
+from bench.logprobs import TINY, engine_with, step_times  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from worker.engine.config import resolve_dtype  # noqa: E402
+
+
+def measure(model, tok, args, shape: str) -> list[dict]:
+    counts = [int(a) for a in args.using.split(",")]
+    bias = {100 + 37 * j: (-1) ** j * 2.0 for j in range(args.bias)}
+
+    def params_of(using: int):
+        def of(i: int) -> SamplingParams:
+            controls = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
+                            logit_bias=bias or None) if i < using else {}
+            return SamplingParams(max_tokens=args.steps + 16, temperature=args.temperature, **controls)
+        return of
+    engines = {u: engine_with(model, tok, args, params_of(u)) for u in counts}
+    for u, engine in engines.items():
+        assert engine.runner.batch.penalties.num_active == u and engine.runner.batch.bias.num_biased == u * bool(bias)
+    times = step_times(engines, args)
+    base = statistics.median(times[counts[0]])
+    return [{"shape": shape, "rows": args.rows, "using": u, "bias_ids": args.bias,
+             "step_ms": round(1000 * statistics.median(times[u]), 3),
+             "x_none_using": round(statistics.median(times[u]) / base, 3)} for u in counts]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shapes", default="tiny,smollm2-135m", help=f"tiny or of {sorted(RANDOM_CONFIGS)}")
+    ap.add_argument("--tokenizer", default="", help="a saved tokenizer directory instead of SmolLM2's GGUF")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--using", default="0,8,64", help="rows using penalties + bias, per configuration (first: baseline)")
+    ap.add_argument("--bias", type=int, default=16, help="logit_bias entries of the rows that use it")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = []
+    for shape in args.shapes.split(","):
+        if shape == "tiny":
+            RANDOM_CONFIGS["tiny"] = TINY
+        model, tok = random_model(shape, args.device, resolve_dtype("auto", args.device), args.tokenizer)
+        rows = measure(model, tok, args, shape)
+        for row in rows:
+            print(row, flush=True)
+        results += rows
+    print(table(results, ["shape", "rows", "using", "bias_ids", "step_ms", "x_none_using"]))
+    print("wrote", write_json("penalties", {"device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
+                                            "results": results}))
+
+
+if __name__ == "__main__":
+    main()
