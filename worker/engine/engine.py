@@ -102,8 +102,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
                                   max_positions=config.max_seq_len, device=self.device,
-                                  dtype=config.dtype, cuda_graphs=config.cuda_graphs, grammars=self.grammars,
-                                  vocab=self._logits_width)
+                                  dtype=config.dtype, cuda_graphs=config.cuda_graphs, grammars=self.grammars)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._by_rid: dict[str, Sequence] = {}
         self._token_text = TokenText(tokenizer)   # logprobs: tokens as text

@@ -42,12 +42,13 @@ if TYPE_CHECKING:
 
 class InputBatch:
     def __init__(self, rows: int, device: torch.device, *, table_width: int = 0, scratch_block: int = 0,
-                 vocab: int = 0, end_ids=set):
+                 context: int = 0, end_ids=set):
         """`rows` requests at most; `table_width` > 0: block tables of that many blocks a row
         (the paged kernel's), plus one padding row (`pad_row`) that holds `scratch_block`;
-        `vocab`: the logits' width; `end_ids()`: the model's EOS ids (what min_tokens holds off)."""
+        `context`: the most tokens of one request's context; `end_ids()`: the model's EOS ids
+        (what min_tokens holds off)."""
         self.sampling = SamplingTable(rows, device)
-        self.penalties = Penalties(rows, vocab, device)
+        self.penalties = Penalties(rows, context, device)
         self.bias = LogitBias(rows, device, end_ids)
         self._matchers: list = [None] * rows
         self._constrained = np.zeros(rows, dtype=bool)

@@ -42,7 +42,7 @@ IDS, POSITIONS, ROWS, LENGTHS, TABLE_ROWS, SLOTS = range(6)   # rows of the stag
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, *, groups: int, max_batch: int, max_tokens: int,
                  max_positions: int, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = True,
-                 grammars: Grammars | None = None, vocab: int = 0):
+                 grammars: Grammars | None = None):
         self.decoder = Decoder(model, max_positions)
         self.cache = cache
         self.groups = groups
@@ -66,7 +66,8 @@ class ModelRunner:
         self.paged_kernel = paged_attention.available(device)
         self.batch = InputBatch(max_batch, device,
                                 table_width=blocks_for(max_positions, cache.block_size) if self.paged_kernel else 0,
-                                scratch_block=cache.scratch_block, vocab=vocab, end_ids=lambda: self.eos_ids)
+                                scratch_block=cache.scratch_block, context=max_positions,
+                                end_ids=lambda: self.eos_ids)
         # set when a non-blocking upload is in flight: the host must not rewrite the pinned
         # staging until the copy has read it (a step that samples nothing never syncs otherwise)
         self._upload_done: torch.cuda.Event | None = None
