@@ -121,7 +121,7 @@ class Penalties:
         match = self.ids[:, :width].index_select(0, sl) == tok[:, None]
         hit = match.any(dim=1)
         n = self.n.index_select(0, sl)
-        at = torch.where(hit, match.to(torch.uint8).argmax(dim=1), n)
+        at = torch.where(hit, match.int().argmax(dim=1), n)
         self.ids.index_put_((sl, at), tok)
         self.counts.index_put_((sl, at), torch.ones(len(rows), device=tokens.device), accumulate=True)
         self.n.index_copy_(0, sl, n + (~hit).long())
