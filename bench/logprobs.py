@@ -53,18 +53,20 @@ def engine_with(model, tok, args, params_of) -> Engine:
     return engine
 
 
-def step_times(engines: dict, args, check=lambda key, outs: None) -> dict:
+def step_times(engines: dict, args, check=lambda key, outs: None, clock=time.perf_counter) -> dict:
     """Each engine's step times over `args.steps` rounds, their steps interleaved so that machine
-    noise falls on every configuration alike; `check(key, outputs)` after each step."""
+    noise falls on every configuration alike; `check(key, outputs)` after each step. `clock`:
+    wall time by default; `time.thread_time` leaves out the time the machine's other jobs held
+    the CPU (one torch thread, on CPU: the step runs on this thread)."""
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     times: dict = {key: [] for key in engines}
     for _ in range(args.steps):
         for key, engine in engines.items():
             sync()
-            t = time.perf_counter()
+            t = clock()
             outs = engine.step()
             sync()
-            times[key].append(time.perf_counter() - t)
+            times[key].append(clock() - t)
             check(key, outs)
     return times
 

@@ -3,8 +3,8 @@
 * `logit_bias` (OpenAI's): a number added to the logits of the listed token ids before sampling
   (+100 all but forces a token, -100 all but forbids it). A row's ids and values sit in a padded
   table row (`ids`, `vals`; padding: id 0, value 0.0, which adds nothing), written when the
-  request takes its row; a step adds them with one `scatter_add_` over the biased rows, as wide as
-  the longest of their lists.
+  request takes its row; a step adds them with one `index_add_` at the biased rows' [row, id]
+  places, as many a row as the longest of their lists.
 * `min_tokens` (vLLM's): until a request has produced that many tokens, nothing may end it: its
   end ids (the model's EOS ids and its own `stop_token_ids`) get -inf. A row's countdown
   (`min_left`) starts from the output it already has (a continuation's delivered tokens, a
@@ -77,12 +77,9 @@ class LogitBias:
             if len(rows):
                 sl = long_tensor(slots[rows], logits.device)
                 w = int(self.width[slots[rows]].max())
-                ids, vals = self.ids.index_select(0, sl)[:, :w], self.vals.index_select(0, sl)[:, :w]
-                if len(rows) == len(slots):
-                    logits.scatter_add_(1, ids, vals)
-                else:
-                    idx = long_tensor(rows, logits.device)
-                    logits.index_copy_(0, idx, logits.index_select(0, idx).scatter_add_(1, ids, vals))
+                ids, vals = self.ids[:, :w].index_select(0, sl), self.vals[:, :w].index_select(0, sl)
+                flat = long_tensor(rows, logits.device)[:, None] * logits.shape[1] + ids
+                logits.view(-1).index_add_(0, flat.view(-1), vals.reshape(-1))
         if self.num_min:
             rows = np.flatnonzero(self.min_left[slots] > 0)
             if len(rows):

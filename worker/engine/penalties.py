@@ -11,11 +11,12 @@ They depend on every token produced so far, so a row keeps its state on the devi
 recounting its output each step. vLLM keeps dense [rows, vocab] counts; only the tokens of the
 context can be penalized, though, and a context is far shorter than the vocabulary, so each row
 keeps the distinct ids of its context (`ids`, up to `context` of them, -1 beyond the row's
-`n`) with their counts in the output (`counts`; 0: prompt only). A step gathers the penalized
-rows' logits at those ids, penalizes them and scatters them back: work and memory grow with the
-context (a few hundred entries a row), not with the vocabulary (49k to 150k). Padding entries
-of a row are pointed at its first id (every row has one: a prompt is never empty) with that
-entry's count, so they compute and write back the same value and the scatter stays exact.
+`n`) with their counts in the output (`counts`; 0: prompt only). A step reads the penalized
+rows' logits at those [row, id] places only, penalizes them and writes them back: work and
+memory grow with the context (a few hundred entries a row), not with the vocabulary (49k to
+150k), and no row is copied. Padding entries of a row are pointed at its first id (every row
+has one: a prompt is never empty) with that entry's count, so they compute and write back the
+same value and the write stays exact whichever duplicate lands last.
 
 The state is built once when a request takes its row, from its context as it stands (the prompt,
 then the output so far: tokens an earlier worker delivered, for a failover continuation, and the
@@ -82,42 +83,39 @@ class Penalties:
             self.num_active -= 1
 
     def _rows_of(self, slots: np.ndarray, device):
-        """Of a step's sampled rows (`slots`): the positions of the penalized ones, those positions
-        on the device (None: every row), their slots on the device, and the width their entries
-        need (their longest context)."""
+        """Of a step's sampled rows (`slots`): the positions of the penalized ones (host, device),
+        their slots on the device, and the width their entries need (their longest context)."""
         rows = np.flatnonzero(self.uses[slots])
-        every = len(rows) == len(slots)
         width = int(self.length[slots[rows]].max(initial=0))
-        return rows, None if every else long_tensor(rows, device), long_tensor(slots[rows], device), width
+        return rows, long_tensor(rows, device), long_tensor(slots[rows], device), width
 
     def apply(self, logits: torch.Tensor, slots: np.ndarray) -> None:
-        """Penalize, in place, the rows of `logits` [R, V] (float32) whose slots are `slots`."""
-        rows, idx, sl, width = self._rows_of(slots, logits.device)
+        """Penalize, in place, the rows of `logits` [R, V] (float32, contiguous) whose slots are
+        `slots`: read and written at [row, id] only, never a whole row."""
+        rows, rows_t, sl, width = self._rows_of(slots, logits.device)
         if not len(rows):
             return
         host = self.host[slots[rows]]
         ids, counts = self.ids[:, :width].index_select(0, sl), self.counts[:, :width].index_select(0, sl)
         pad = torch.arange(width, device=logits.device)[None, :] >= self.n.index_select(0, sl)[:, None]
         ids, counts = torch.where(pad, ids[:, :1], ids), torch.where(pad, counts[:, :1], counts)
-        part = logits if idx is None else logits.index_select(0, idx)
-        vals = part.gather(1, ids)
+        flat = (rows_t[:, None] * logits.shape[1] + ids).view(-1)
+        vals = logits.view(-1).index_select(0, flat).view(len(rows), width)
         params = self._dev.index_select(0, sl)
         if (host[:, REPETITION] != 1).any():   # every entry is a seen token
             rep = params[:, REPETITION, None]
             vals = torch.where(vals > 0, vals / rep, vals * rep)
         if host[:, PRESENCE:REPETITION].any():
             vals = vals - params[:, FREQUENCY, None] * counts - params[:, PRESENCE, None] * (counts > 0)
-        part.scatter_(1, ids, vals)
-        if idx is not None:
-            logits.index_copy_(0, idx, part)
+        logits.view(-1).index_copy_(0, flat, vals.view(-1))
 
     def record(self, slots: np.ndarray, tokens: torch.Tensor) -> None:
         """The step's sampled `tokens` (one per row of `slots`) join their penalized rows' counts:
         a token already among a row's ids counts once more, a new one is appended at `n`."""
-        rows, idx, sl, width = self._rows_of(slots, tokens.device)
+        rows, rows_t, sl, width = self._rows_of(slots, tokens.device)
         if not len(rows):
             return
-        tok = tokens if idx is None else tokens.index_select(0, idx)
+        tok = tokens if len(rows) == len(slots) else tokens.index_select(0, rows_t)
         match = self.ids[:, :width].index_select(0, sl) == tok[:, None]
         hit = match.any(dim=1)
         n = self.n.index_select(0, sl)

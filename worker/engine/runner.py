@@ -155,7 +155,7 @@ class ModelRunner:
             if batch.penalties.num_active or batch.bias.num_biased or batch.bias.num_min:
                 # bias, min_tokens, penalties (vLLM's order) on float32 logits; a copy while
                 # logprobs still read the raw ones
-                logits = logits.to(torch.float32, copy=asked is not None)
+                logits = logits.to(torch.float32, copy=asked is not None).contiguous()
                 batch.bias.apply(logits, slots)
                 if batch.penalties.num_active:
                     batch.penalties.apply(logits, slots)
