@@ -12,6 +12,7 @@ the uninterrupted run: the counts the penalties need are rebuilt from the contex
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -210,3 +211,23 @@ def test_bad_controls_are_refused_with_their_param(model, tokenizer, bad, param)
         engine.add(EngineRequest("b", ids(tokenizer, "Hi"), SamplingParams(max_tokens=8, **bad)))
     assert info.value.code == ErrorCode.INVALID_REQUEST and info.value.param == param
     assert not engine.has_work
+
+
+def test_min_tokens_forbids_each_rows_own_end_ids_until_reached():
+    """Rows with different numbers of end ids in one step (the table widens as a row needs more):
+    each forbids its own (EOS and its stop_token_ids), nothing else, and only until it has
+    produced min_tokens (a continuation's delivered tokens count)."""
+    from worker.engine.logit_bias import LogitBias
+    bias = LogitBias(4, torch.device("cpu"), lambda: {EOS})
+    bias.add(0, SamplingParams(max_tokens=9, min_tokens=2), 0)
+    bias.add(1, SamplingParams(max_tokens=9, min_tokens=3, stop_token_ids=[7, 8, 9]), 1)
+    bias.add(2, SamplingParams(max_tokens=9, min_tokens=2), 2)          # already there: nothing held
+    slots = np.array([0, 1, 2])
+    forbidden = []
+    for _ in range(3):
+        logits = torch.zeros(3, 12)
+        bias.apply(logits, slots)
+        forbidden.append([torch.isinf(row).nonzero()[:, 0].tolist() for row in logits])
+        bias.advance(slots)
+    assert forbidden == [[[EOS], [EOS, 7, 8, 9], []], [[EOS], [EOS, 7, 8, 9], []], [[], [], []]]
+    assert bias.num_min == 0

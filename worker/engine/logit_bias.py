@@ -51,8 +51,9 @@ class LogitBias:
         left = p.min_tokens - produced
         ends = sorted(set(self._end_ids()) | set(p.stop_token_ids))
         if left > 0 and ends:
-            if len(ends) > self.ends.shape[1]:
-                self.ends = np.pad(self.ends, ((0, 0), (0, len(ends) - self.ends.shape[1])))
+            if len(ends) > self.ends.shape[1]:   # wider: each row repeats its last entry (its own end id)
+                more = len(ends) - self.ends.shape[1]
+                self.ends = np.pad(self.ends, ((0, 0), (0, more)), mode="edge" if self.ends.shape[1] else "constant")
             self.ends[slot] = ends[0]
             self.ends[slot, :len(ends)] = ends
             self.num_ends[slot] = len(ends)
