@@ -98,3 +98,15 @@ async def test_the_websocket_carries_the_controls_and_names_a_bad_one(stack, mak
             reply = await c.recv("bad")
             assert (reply["type"], reply["code"], reply["param"]) == ("error", "invalid_request", field), reply
         await c.close()
+
+
+def test_docs_protocol_lists_every_generate_field():
+    """docs/protocol.md's `generate` table has a row for each field the gateway accepts."""
+    import re
+    from pathlib import Path
+
+    from shared.protocol import Generate
+    text = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    table = text.split("### `generate`", 1)[1].split("\n\n", 2)[1]
+    documented = set(re.findall(r"^\| `([a-z_]+)`", table, re.M))
+    assert set(Generate.model_fields) - {"v", "type"} == documented
