@@ -236,6 +236,37 @@ class Done(_Msg):
     error: dict[str, Any] | None = None
 
 
+class ToolCallStart(_Msg):
+    """A request with tools: the model started calling `name` (gateway.ws.tool_frames). Sent
+    before the chunk `seq` whose text made it known."""
+    type: Literal["tool_call"] = "tool_call"
+    id: str
+    seq: int
+    index: int                       # the call's position in the answer, from 0
+    call_id: str                     # derived from the request id and index: the same on every replica and resume
+    name: str
+
+
+class ToolCallDelta(_Msg):
+    """More of call `index`'s arguments (a fragment of the JSON string), before chunk `seq`."""
+    type: Literal["tool_call_delta"] = "tool_call_delta"
+    id: str
+    seq: int
+    index: int
+    arguments: str
+
+
+class ToolCallDone(_Msg):
+    """Call `index` is complete: its whole `arguments` (before chunk `seq`, or before `done`)."""
+    type: Literal["tool_call_done"] = "tool_call_done"
+    id: str
+    seq: int
+    index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
 class Error(_Msg):
     type: Literal["error"] = "error"
     id: str | None = None
@@ -256,7 +287,8 @@ class Pong(_Msg):
     ts: float
 
 
-ServerMessage = Annotated[Union[Accepted, Chunk, Done, Error, Heartbeat, Pong], Field(discriminator="type")]
+ServerMessage = Annotated[Union[Accepted, Chunk, Done, ToolCallStart, ToolCallDelta, ToolCallDone, Error, Heartbeat,
+                                Pong], Field(discriminator="type")]
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
 
 

@@ -11,7 +11,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{q}:rate:<key_id>:<m>  | string | {q}     | per-key rate-limit counter of minute m                      |
 | p:{q}:idem:<owner>:<h>   | string | {q}     | rid of the request an idempotency key started (TTL)         |
 | p:{r:<rid>}:out          | stream | {r:rid} | the request's HISTORY: ids `{seq}-0` tokens, `{seq}-1` final |
-| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att (META_*); TTL output_ttl_s |
+| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att, bg, tm (META_*); TTL output_ttl_s |
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
 | p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
 | p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies); TTL beats |
@@ -44,6 +44,7 @@ from shared.sampling import NEUTRAL, SamplingParams, invalid_control
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
+INBOX_MAXLEN = 10000     # entries of a gateway's inbox (approximate MAXLEN): each holds one flush's events
 
 # fields of p:{r:rid}:meta
 META_KEY = "key"        # API key id of the request's owner (resume must present the same key)
@@ -53,6 +54,9 @@ META_LEASE = "lease"    # ms on Redis's clock until which owner's claim holds (r
 META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
 META_ATT = "att"        # attach counter: bumped by every resume
 META_BG = "bg"          # "1": a background response (nobody need listen: never cancelled as an orphan)
+META_ORPHANED = "orph"  # "1": an orphan sweep cancelled it (nobody resumed it within the grace; gateway.submit)
+META_TOOLS = "tm"       # how a chat answer is read for tool calls (auto | forced; absent: plain text), so
+                        # a resume on any replica parses it as the first stream did
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ Real Redis, an in-process gateway, a tiny-model worker (SmolLM2's real tokenizer
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -34,7 +35,8 @@ from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_wi
 from tests.test_openai_api import sse_dropped_after, sse_events
 from tests.worker_redis import read_events
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "clients.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "clients.md"
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 PROMPT = "Once upon a time"
@@ -89,6 +91,10 @@ def test_the_table_parses_and_names_what_the_code_ignores_and_refuses():
     assert len(items) == len(set(items)), "each item is in one row"
     assert set(items) == set(PROBES), (f"items without a probe: {set(items) - set(PROBES)}; "
                                        f"probes without a row: {set(PROBES) - set(items)}")
+    for row in rows:       # a row probed elsewhere says by which test
+        for item in row.items:
+            if item in ELSEWHERE:
+                assert ELSEWHERE[item] in row.notes, f"the row of `{item}` names its test {ELSEWHERE[item]}"
 
 
 # ---------------------------------------------------------------- the probes
@@ -795,7 +801,29 @@ async def p_batch(ctx: Ctx, _=None) -> str:
         return "yes"
 
 
+def probed_by(test: str) -> Callable[[Ctx, Any], Awaitable[str]]:
+    """A row about a whole client (an agent framework, another language's SDK) or a long run:
+    probed by its own test elsewhere in the suite, on the stack it needs (the tool-template
+    model, node), not by this walk. Here: that test exists (and the row names it)."""
+    async def probe(ctx: Ctx, _=None) -> str:
+        path, name = test.split("::")
+        tree = ast.parse((ROOT / path).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        return "yes" if name in defined else f"no test {test}"
+    return probe
+
+
+ELSEWHERE = {
+    "Agent": "tests/test_responses_api.py::test_openai_agents_sdk_tool_round_trip",
+    "function_tool": "tests/test_responses_api.py::test_openai_agents_sdk_tool_round_trip",
+    "ChatOpenAI(use_responses_api=True)": "tests/test_responses_api.py::test_langchain_chat_openai_on_the_responses_api",
+    "responses.retrieve(id, {stream: true, starting_after})":
+        "tests/test_responses_api.py::test_node_sdk_background_stream_dropped_and_resumed",
+    "/v1/responses": "tests/test_openai_batch.py::test_responses_lines",
+}
+
 PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
+    **{item: probed_by(test) for item, test in ELSEWHERE.items()},
     "POST /v1/chat/completions": p_chat,
     "POST /v1/completions": p_completions,
     "GET /v1/models": p_models,

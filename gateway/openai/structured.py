@@ -9,6 +9,7 @@ it, carried by the worker's `err` event: shared.events.ErrEvent).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 from pydantic import ValidationError
@@ -52,9 +53,10 @@ def structured_fields(body, error: Callable[..., Exception]) -> dict[str, Any]:
     except (ValueError, ValidationError) as exc:
         raise error(400, str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else
                     f"tool_choice: {exc.errors()[0]['msg']}", param="tool_choice") from None
-    if tool_mode(parsed_tools, typed) == "forced" and RESPONSE_FORMAT in fields:
-        raise error(400, "'response_format' and a tool_choice that forces a call cannot be combined",
-                    param=RESPONSE_FORMAT)
+    if tool_mode(parsed_tools, typed) == "forced":
+        # OpenAI takes both: the format is for the answer's text, and a forced turn has none (the
+        # call's grammar is the whole answer). Agents send both: output_type + tool_choice=required.
+        fields.pop(RESPONSE_FORMAT, None)
     fields["tools"] = [t.model_dump(exclude_none=True) for t in parsed_tools]
     fields["tool_choice"] = choice
     return fields
@@ -84,10 +86,21 @@ def tool_fields(message: dict, role: str, calls: list | None, i: int, error: Cal
     return out
 
 
-def parser_for(body) -> ToolCallParser | None:
-    """A parser for the answer, when the request has tools to call."""
-    mode = tool_mode(getattr(body, "tools", None), getattr(body, "tool_choice", None))
-    return ToolCallParser(mode) if mode is not None else None
+def parser_for(body, rid: str) -> ToolCallParser | None:
+    """A parser for the answer of request `rid`, when it has tools to call."""
+    return resumed_parser(tool_mode(getattr(body, "tools", None), getattr(body, "tool_choice", None)), "", rid)
+
+
+def resumed_parser(mode: str | None, read: str, rid: str) -> ToolCallParser | None:
+    """A parser in `mode` that has read `read`, the text a resuming client already has: what it
+    sends from then on continues that client's deltas. Call ids derive from the request id, so
+    a re-attach or a resume on any replica names each call as the first stream did."""
+    if mode is None:
+        return None
+    parser = ToolCallParser(mode, call_id=lambda i: "call_" + hashlib.sha256(f"{rid}/{i}".encode()).hexdigest()[:24])
+    if read:
+        parser.feed(read)
+    return parser
 
 
 def delta(content: str, calls: list[dict]) -> dict:
