@@ -86,19 +86,22 @@ def measure(model, tok, args, shape: str) -> list[dict]:
              "x_none_asking": round(statistics.median(times[a]) / base, 3)} for a in counts]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of the per-row cost benches (this one, bench/penalties.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shapes", default="tiny,smollm2-135m", help=f"tiny or of {sorted(RANDOM_CONFIGS)}")
     ap.add_argument("--tokenizer", default="", help="a saved tokenizer directory instead of SmolLM2's GGUF")
     ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--asking", default="0,8,64", help="rows asking for logprobs, per configuration (first: baseline)")
-    ap.add_argument("--top", type=int, default=5, help="top_logprobs of the rows that ask")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
-    args = ap.parse_args()
+    return ap
+
+
+def run_shapes(args, measure) -> list[dict]:
+    """`measure(model, tokenizer, args, shape)`'s rows for each of `args.shapes`, printed as they come."""
     torch.set_num_threads(args.threads)
     results = []
     for shape in args.shapes.split(","):
@@ -109,6 +112,15 @@ def main() -> None:
         for row in rows:
             print(row, flush=True)
         results += rows
+    return results
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--asking", default="0,8,64", help="rows asking for logprobs, per configuration (first: baseline)")
+    ap.add_argument("--top", type=int, default=5, help="top_logprobs of the rows that ask")
+    args = ap.parse_args()
+    results = run_shapes(args, measure)
     print(table(results, ["shape", "rows", "asking", "top", "step_ms", "x_none_asking"]))
     print("wrote", write_json("logprobs", {"device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
                                            "results": results}))

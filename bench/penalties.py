@@ -24,7 +24,6 @@ figure is the argmax alone).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -38,10 +37,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import table, write_json  # noqa: E402
-from bench.engine import RANDOM_CONFIGS, random_model  # noqa: E402
-from bench.logprobs import TINY, engine_with, step_times  # noqa: E402
+from bench.logprobs import engine_with, parser, run_shapes, step_times  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
-from worker.engine.config import resolve_dtype  # noqa: E402
 
 
 def measure(model, tok, args, shape: str) -> list[dict]:
@@ -100,30 +97,13 @@ def added_times(engines: dict, args, clock) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--shapes", default="tiny,smollm2-135m", help=f"tiny or of {sorted(RANDOM_CONFIGS)}")
-    ap.add_argument("--tokenizer", default="", help="a saved tokenizer directory instead of SmolLM2's GGUF")
-    ap.add_argument("--rows", type=int, default=64)
+    ap = parser(__doc__)
     ap.add_argument("--using", default="0,8,64", help="rows using penalties + bias, per configuration (first: baseline)")
     ap.add_argument("--bias", type=int, default=16, help="logit_bias entries of the rows that use it")
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    results = []
-    for shape in args.shapes.split(","):
-        if shape == "tiny":
-            RANDOM_CONFIGS["tiny"] = TINY
-        model, tok = random_model(shape, args.device, resolve_dtype("auto", args.device), args.tokenizer)
-        rows = measure(model, tok, args, shape)
-        for row in rows:
-            print(row, flush=True)
-        results += rows
+    results = run_shapes(args, measure)
     print(table(results, ["shape", "rows", "using", "bias_ids", "step_ms", "x_none_using", "sampler_ms_best",
-                         "sampler_extra_ms"]))
+                          "sampler_extra_ms"]))
     print("wrote", write_json("penalties", {"device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
                                             "results": results}))
 

@@ -617,25 +617,18 @@ async def p_logit_bias(ctx: Ctx, _=None) -> str:
     return "yes"
 
 
-async def p_top_k(ctx: Ctx, _=None) -> str:
-    """top_k 1 is greedy at any temperature and seed; -1 (vLLM's "off") is no top-k."""
-    greedy = await sampled(ctx, temperature=0)
-    for seed in (1, 2):
-        assert await sampled(ctx, temperature=1.5, seed=seed, extra_body={"top_k": 1}) == greedy
-    assert await sampled(ctx, temperature=1.5, seed=3, extra_body={"top_k": -1}) == \
-        await sampled(ctx, temperature=1.5, seed=3)
-    await refused_400(ctx.chat(extra_body={"top_k": 1001}), "top_k")
-    return "yes"
-
-
-async def p_min_p(ctx: Ctx, _=None) -> str:
-    """min_p 1 keeps only the most likely token: greedy at any temperature and seed."""
-    greedy = await sampled(ctx, temperature=0)
-    for seed in (1, 2):
-        assert await sampled(ctx, temperature=1.5, seed=seed, extra_body={"min_p": 1.0}) == greedy
-    assert await sampled(ctx, temperature=1.5, seed=1, extra_body={"min_p": 0.0}) != greedy
-    await refused_400(ctx.chat(extra_body={"min_p": 1.5}), "min_p")
-    return "yes"
+def narrowing(name: str, greedy_value: Any, off: Any, bad: Any) -> Callable[[Ctx, Any], Awaitable[str]]:
+    """A control that keeps only the most likely token at `greedy_value` (top_k 1, min_p 1):
+    greedy at any temperature and seed; at `off` the same draw as without it."""
+    async def probe(ctx: Ctx, _=None) -> str:
+        greedy = await sampled(ctx, temperature=0)
+        for seed in (1, 2):
+            assert await sampled(ctx, temperature=1.5, seed=seed, extra_body={name: greedy_value}) == greedy
+        plain = await sampled(ctx, temperature=1.5, seed=3)
+        assert await sampled(ctx, temperature=1.5, seed=3, extra_body={name: off}) == plain != greedy
+        await refused_400(ctx.chat(extra_body={name: bad}), name)
+        return "yes"
+    return probe
 
 
 async def p_min_tokens(ctx: Ctx, _=None) -> str:
@@ -880,8 +873,8 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "best_of": param("best_of", 2, endpoint="completions"),
     "suffix": param("suffix", " The end.", endpoint="completions"),
     "prompt": param("prompt", [PROMPT, "Far away"], endpoint="completions"),
-    "top_k": p_top_k,
-    "min_p": p_min_p,
+    "top_k": narrowing("top_k", 1, -1, 1001),         # -1: vLLM's "off"
+    "min_p": narrowing("min_p", 1.0, 0.0, 1.5),
     "repetition_penalty": control("repetition_penalty", 5.0, 0),
     "min_tokens": p_min_tokens,
     "stop_token_ids": p_stop_token_ids,
