@@ -17,9 +17,8 @@ here, keyed by row, so a step gathers it by the sampled rows' indices (numpy on 
   holds already (blocks are only ever appended while running, so a step writes the new ones).
 
 The counts of rows that ask for something (`num_constrained`, `num_logprobs`, and the
-penalties' and bias's own) change only as
-rows are taken and given back, so a step in which no row asks skips that work with one integer
-test. Rows follow the scheduler's plan at the start of each step (`update`: `admitted` take one,
+penalties' and bias's own) change only as rows are taken and given back (and min_tokens' as rows
+reach it), so a step in which no row asks skips that work with one integer test. Rows follow the scheduler's plan at the start of each step (`update`: `admitted` take one,
 `preempted` give theirs back) and the engine gives back the row of a request that ends
 (`remove`); the scheduler never hands rows out.
 """
