@@ -65,6 +65,11 @@ def entry_prompt(msg: Generate) -> tuple[str | None, list[dict] | None, list[dic
     return msg.prompt, messages, tools
 
 
+def route_text(msg: Generate) -> str | None:
+    """What routes a raw prompt (shared.routing): its text, or its token ids spelled out."""
+    return msg.prompt if msg.prompt_ids is None else " ".join(map(str, msg.prompt_ids[:1024]))
+
+
 class RequestStarter:
     def __init__(self, settings: GatewaySettings, admission: Admission, submitter: Submitter, bookkeeper: Bookkeeper,
                  gw_id: str, router: Router):
@@ -111,12 +116,13 @@ class RequestStarter:
                                   top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop),
                                   grammar=grammar_for(msg.response_format, msg.tools, msg.tool_choice),
                                   logprobs=(msg.top_logprobs or 0) if msg.logprobs else None,
-                                  ignore_eos=msg.ignore_eos),
+                                  ignore_eos=msg.ignore_eos, prompt_logprobs=msg.prompt_logprobs, echo=msg.echo),
             prompt=prompt,
+            prompt_ids=list(msg.prompt_ids) if msg.prompt_ids is not None else None,
             messages=messages,
             tools=tools,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,
-            route=self.router.pick(msg.prompt_cache_key, prompt, messages, scope), cache_salt=scope,
+            route=self.router.pick(msg.prompt_cache_key, route_text(msg), messages, scope), cache_salt=scope,
         )
         # leases of this key that ended here but are still queued for release go first
         release = self.bookkeeper.take_releases(key_id)

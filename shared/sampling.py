@@ -27,6 +27,11 @@ class SamplingParams:
     # EOS ids are never sampled: the answer runs to max_tokens (vLLM's extension; benchmarks
     # such as guidellm force output lengths with it)
     ignore_eos: bool = False
+    # prompt logprobs (completions `echo` + `logprobs`, vLLM's `prompt_logprobs`): per prompt token
+    # its logprob (the first: none) and this many alternatives, on the first output; None: none
+    prompt_logprobs: int | None = None
+    # the first output carries the prompt as text (completions `echo`)
+    echo: bool = False
 
     @property
     def deterministic(self) -> bool:

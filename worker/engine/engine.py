@@ -186,8 +186,9 @@ class Engine:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "token id outside the vocabulary")
         if p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or req.skip_tokens < 0:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "invalid sampling parameters")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
-            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
+        for k in (p.logprobs, p.prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
@@ -218,8 +219,12 @@ class Engine:
                        cache_root=self._cache_root, cache_salt=salt, grammar=matcher,
                        salt_at=self._shared.salted_from(req.prompt_ids, self.config.kv_block_size) if salt else 0)
         self._arrivals += 1
-        if seq.top_logprobs >= 0:
-            seq.text_offset = self._token_text.length(req.generated_ids)
+        if not req.generated_ids and not req.skip_tokens:   # nothing delivered yet: the prompt goes first
+            seq.echo = p.echo
+            seq.prompt_lp_k = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        if seq.top_logprobs >= 0:   # with echo, offsets count from the echoed prompt's start (vLLM's)
+            seq.text_offset = self._token_text.length(req.generated_ids) + \
+                (self._token_text.length(req.prompt_ids) if p.echo else 0)
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
         self._by_rid[req.rid] = seq
@@ -277,6 +282,8 @@ class Engine:
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
         logprobs = self.runner.last_logprobs
+        for seq, rows in self.runner.last_prompt_rows or ():
+            seq.prompt_rows.extend(rows)
         for i, (seq, token) in enumerate(zip(plan.sampled, tokens)):
             if seq.finished:
                 continue
@@ -284,6 +291,8 @@ class Engine:
                 out = self._on_token(seq, token, now_ms)
                 if logprobs is not None and logprobs[i] is not None:
                     self._add_logprobs(seq, token, logprobs[i], out)
+                if (seq.echo or seq.prompt_lp_k >= 0) and out is not None and out.token_ids:
+                    out.prompt = self._prompt_echo(seq)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
@@ -334,6 +343,24 @@ class Engine:
         seq.text_offset += len(self._token_text(token))
         if out is not None and out.token_ids:
             out.logprobs = [logprob_entry(self._token_text, token, row, offset)]
+
+    def _prompt_echo(self, seq: Sequence) -> list:
+        """What the first emitted token carries for echo / prompt logprobs (StepOutput.prompt):
+        the prompt as text, and per prompt token [token, logprob, top, text_offset] (the first
+        token's logprob None: nothing precedes it), offsets counted over the prompt's tokens."""
+        text = entries = None
+        ids = seq.req.prompt_ids
+        if seq.echo:
+            text = seq.req.prompt_text if seq.req.prompt_text is not None else \
+                self.tokenizer.decode(ids, skip_special_tokens=False)
+        if seq.prompt_lp_k >= 0:
+            words = self._token_text
+            entries, offset = [[words(ids[0]), None, [], 0]], len(words(ids[0]))
+            for token, row in zip(ids[1:], seq.prompt_rows):
+                entries.append(logprob_entry(words, token, row, offset))
+                offset += len(words(token))
+        seq.echo, seq.prompt_lp_k, seq.prompt_rows = False, -1, []
+        return [text, entries]
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:

@@ -60,7 +60,7 @@ class KVCacheManager:
     def computed_blocks(self, seq: Sequence) -> list[int]:
         """The cached blocks continuing `seq`'s blocks (all computed, ending at a block boundary),
         up to but never including the block of its last context token; [] without caching."""
-        if not self.caching:
+        if not self.caching or seq.wants_prompt_rows:    # prompt logprobs: every position computed
             return []
         bs = self.block_size
         limit = (len(seq.tokens) - 1) // bs
@@ -94,7 +94,7 @@ class KVCacheManager:
         prefix become its own. False when the block it would take next is being filled in this
         very step by another request: it should wait a step and take it then."""
         bs = self.block_size
-        if not self.caching or seq.computed != len(seq.blocks) * bs:
+        if not self.caching or seq.computed != len(seq.blocks) * bs or seq.wants_prompt_rows:
             return True
         self._take(seq, self.computed_blocks(seq))
         nxt = len(seq.blocks)

@@ -86,6 +86,23 @@ class LogprobGather:
         return ids_out, per_row
 
 
+def prompt_rows(logits: torch.Tensor, targets: list[int], k: int) -> list[tuple[float, list[int], list[float]]]:
+    """Prompt logprobs (vLLM's `prompt_logprobs`): per row of `logits` (the prompt positions a
+    prefill chunk computed for the requests that ask), the raw logprob of the next prompt token
+    `targets[i]` and the `k` most likely tokens, as `LogprobGather.finish` gives them, from one
+    host transfer. The chunk's other positions get no logits at all."""
+    lse = logits.float().logsumexp(dim=-1)
+    chosen = logits.gather(1, long_tensor(targets, logits.device)[:, None])[:, 0].float() - lse
+    parts = [chosen]
+    if k:
+        vals, ids = logits.topk(k, dim=-1)
+        parts += [(vals.float() - lse[:, None]).flatten(), ids.float().flatten()]
+    flat = torch.cat(parts).tolist()
+    r = len(targets)
+    return [(flat[i], [int(t) for t in flat[r + r * k + i * k : r + r * k + (i + 1) * k]],
+             flat[r + i * k : r + (i + 1) * k]) for i in range(r)]
+
+
 class TokenText:
     """Token id -> its string alone (memoised: the vocabulary bounds it)."""
 
