@@ -30,7 +30,7 @@ from gateway.batch.store import BatchStore
 from gateway.openai import structured
 from gateway.openai.errors import CANCELLED_CODE, APIError
 from gateway.openai.response import CHAT_PREFIX, TEXT_PREFIX, OpenAIResponse
-from gateway.openai.schema import parse_body
+from gateway.openai.schema import echo_only, parse_body
 from gateway.openai.session import HttpSession
 from gateway.request_core import RequestCore
 from shared.errors import RETRYABLE, ErrorCode, ProtocolError
@@ -65,6 +65,9 @@ class LineRunner:
             if body.stream:
                 raise APIError(400, "'stream' is not supported in a batch (the answer goes to the output file)",
                                param="stream")
+            if (body.n or 1) > 1:
+                raise APIError(400, "'n' > 1 is not supported in a batch (one request a line: send a line per choice)",
+                               param="n")
         except APIError as exc:
             return await self._answer(batch_id, line, exc.status, exc.body(), rid=None)
         attempt = await self.store.attempt(batch_id, line.index)
@@ -84,7 +87,7 @@ class LineRunner:
         except (RedisError, OSError):
             return False
         out = OpenAIResponse(_discard, oai_id=req.client_id, model=self.model, stream=False, include_usage=False,
-                             role_chunk=False, tools=structured.parser_for(body))
+                             role_chunk=False, tools=structured.parser_for(body), echo_only=echo_only(body))
         ended = asyncio.ensure_future(out.ended.wait())
         cancel = asyncio.ensure_future(cancelled.wait())
         try:
