@@ -86,7 +86,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
-    args = ap.parse_args()
+    run_shapes(ap.parse_args(), measure, "logprobs", ["shape", "rows", "asking", "top", "step_ms", "x_none_asking"])
+
+
+def run_shapes(args, measure, name: str, columns: list[str]) -> None:
+    """`measure(model, tokenizer, args, shape)` for each of `args.shapes` (one random-weight model
+    each), printed as a table and written as bench/results/<name>.json."""
     torch.set_num_threads(args.threads)
     results = []
     for shape in args.shapes.split(","):
@@ -97,9 +102,9 @@ def main() -> None:
         for row in rows:
             print(row, flush=True)
         results += rows
-    print(table(results, ["shape", "rows", "asking", "top", "step_ms", "x_none_asking"]))
-    print("wrote", write_json("logprobs", {"device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
-                                           "results": results}))
+    print(table(results, columns))
+    print("wrote", write_json(name, {"device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
+                                     "results": results}))
 
 
 if __name__ == "__main__":

@@ -30,12 +30,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.common import table, write_json  # noqa: E402
-from bench.engine import RANDOM_CONFIGS, random_model  # noqa: E402
-from bench.logprobs import TINY  # noqa: E402
+from bench.engine import RANDOM_CONFIGS  # noqa: E402
+from bench.logprobs import run_shapes  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.engine.config import resolve_dtype  # noqa: E402
 
 
 def prefill_step(engine: Engine, args, asking: int, rep: int) -> float:
@@ -83,21 +81,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=1, help="alternatives per prompt token (lm-eval asks 1)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    results = []
-    for shape in args.shapes.split(","):
-        if shape == "tiny":
-            RANDOM_CONFIGS["tiny"] = TINY
-        model, tok = random_model(shape, args.device, resolve_dtype("auto", args.device), args.tokenizer)
-        rows = measure(model, tok, args, shape)
-        for row in rows:
-            print(row, flush=True)
-        results += rows
-    print(table(results, ["shape", "rows", "prompt", "asking", "top", "step_ms", "x_none_asking"]))
-    print("wrote", write_json("prompt_logprobs", {"device": args.device,
-                                                  "args": {k: str(v) for k, v in vars(args).items()},
-                                                  "results": results}))
+    run_shapes(ap.parse_args(), measure, "prompt_logprobs",
+               ["shape", "rows", "prompt", "asking", "top", "step_ms", "x_none_asking"])
 
 
 if __name__ == "__main__":
