@@ -68,25 +68,37 @@ def measure(model, tok, args, shape: str) -> list[dict]:
             sync()
             times[a].append(time.perf_counter() - t)
             assert sum(o.logprobs is not None for o in outs) == a
+    return ratio_rows(times, counts, shape=shape, rows=args.rows)
+
+
+def ratio_rows(times: dict[int, list[float]], counts: list[int], **fields) -> list[dict]:
+    """Per count of asking rows, its median step and its ratio to the first count's (the baseline)."""
     base = statistics.median(times[counts[0]])
-    return [{"shape": shape, "rows": args.rows, "asking": a, "top": args.top,
-             "step_ms": round(1000 * statistics.median(times[a]), 3),
+    return [{**fields, "asking": a, "step_ms": round(1000 * statistics.median(times[a]), 3),
              "x_none_asking": round(statistics.median(times[a]) / base, 3)} for a in counts]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def shape_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every per-shape engine bench here takes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shapes", default="tiny,smollm2-135m", help=f"tiny or of {sorted(RANDOM_CONFIGS)}")
     ap.add_argument("--tokenizer", default="", help="a saved tokenizer directory instead of SmolLM2's GGUF")
     ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
+    return ap
+
+
+def main() -> None:
+    ap = shape_parser(__doc__)
     ap.add_argument("--asking", default="0,8,64", help="rows asking for logprobs, per configuration (first: baseline)")
     ap.add_argument("--top", type=int, default=5, help="top_logprobs of the rows that ask")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
-    run_shapes(ap.parse_args(), measure, "logprobs", ["shape", "rows", "asking", "top", "step_ms", "x_none_asking"])
+    args = ap.parse_args()
+    run_shapes(args, lambda *a: [{**r, "top": args.top} for r in measure(*a)], "logprobs",
+               ["shape", "rows", "asking", "top", "step_ms", "x_none_asking"])
 
 
 def run_shapes(args, measure, name: str, columns: list[str]) -> None:

@@ -18,8 +18,6 @@ configuration alike. Median of `--reps`.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,8 +28,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.engine import RANDOM_CONFIGS  # noqa: E402
-from bench.logprobs import run_shapes  # noqa: E402
+from bench.logprobs import ratio_rows, run_shapes, shape_parser  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
@@ -64,23 +61,15 @@ def measure(model, tok, args, shape: str) -> list[dict]:
     for rep in range(args.reps):
         for a, engine in engines.items():     # interleaved: noise falls on every configuration
             times[a].append(prefill_step(engine, args, a, rep))
-    base = statistics.median(times[counts[0]])
-    return [{"shape": shape, "rows": args.rows, "prompt": args.prompt, "asking": a, "top": args.top,
-             "step_ms": round(1000 * statistics.median(times[a]), 3),
-             "x_none_asking": round(statistics.median(times[a]) / base, 3)} for a in counts]
+    return ratio_rows(times, counts, shape=shape, rows=args.rows, prompt=args.prompt, top=args.top)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--shapes", default="tiny,smollm2-135m", help=f"tiny or of {sorted(RANDOM_CONFIGS)}")
-    ap.add_argument("--tokenizer", default="", help="a saved tokenizer directory instead of SmolLM2's GGUF")
-    ap.add_argument("--rows", type=int, default=64)
+    ap = shape_parser(__doc__)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--asking", default="0,8,64", help="rows asking for prompt logprobs (first: the baseline)")
     ap.add_argument("--top", type=int, default=1, help="alternatives per prompt token (lm-eval asks 1)")
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
     run_shapes(ap.parse_args(), measure, "prompt_logprobs",
                ["shape", "rows", "prompt", "asking", "top", "step_ms", "x_none_asking"])
 
