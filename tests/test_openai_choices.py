@@ -15,11 +15,14 @@ Real Redis, an in-process gateway, a tiny-model worker process (SmolLM2's real t
 
 from __future__ import annotations
 
+import hashlib
 import re
+import uuid
 
 import httpx
 import openai
 import pytest
+import redis.asyncio as aioredis
 from openai import AsyncOpenAI
 
 from tests.gateway_client import GatewayClient, eventually
@@ -32,8 +35,8 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Once upon a time, in a land far away, there lived a lighthouse keeper who " * 3
 
 
-def oai(gw) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=gw.base + "/v1", api_key="none", max_retries=0, timeout=60)
+def oai(gw, key: str = "none") -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=gw.base + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
 async def test_seeded_choices_are_reproducible_differ_and_each_is_its_single_request(stack):
@@ -99,6 +102,30 @@ async def test_a_client_that_goes_away_cancels_every_choice(stack):
             async def all_cancelled() -> bool:
                 return cancelled((await http.get("/metrics")).text) == before + 3
             assert await eventually(all_cancelled, timeout=10, interval=0.05), (before, (await http.get("/metrics")).text)
+
+
+async def test_an_answer_is_all_its_choices_or_an_error_and_a_retry_gets_the_same_answer(stack):
+    """Per-key limits count each choice: when the third cannot start (429), the two that did are
+    cancelled and nothing is left running; an Idempotency-Key names every choice (`<key>:i`)."""
+    key = "sk-choices"
+    keys = f"tester:{hashlib.sha256(key.encode()).hexdigest()}"
+    async with gateway_in_process(stack.settings(api_keys=keys, per_key_concurrency=2)) as gw:
+        client = oai(gw, key)
+        ask = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0)
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.completions.create(n=3, **ask)
+        assert info.value.body["code"] == "concurrency_limit"
+        redis = aioredis.from_url(stack.redis_url)
+        try:    # the two cancelled choices end (their worker confirms) and give their slots back
+            async def slots_free() -> bool:
+                return await redis.zcard(stack.keys.conc("tester")) == 0
+            assert await eventually(slots_free, timeout=20, interval=0.05)
+        finally:
+            await redis.aclose()
+        idem = {"Idempotency-Key": f"answer-{uuid.uuid4().hex}"}
+        first = await client.completions.create(n=2, extra_headers=idem, **ask)
+        again = await client.completions.create(n=2, extra_headers=idem, **ask)
+        assert again.id == first.id and [c.text for c in again.choices] == [c.text for c in first.choices]
 
 
 async def test_refusals_name_their_parameter(stack):
