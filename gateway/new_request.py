@@ -36,7 +36,7 @@ from shared.logs import rid_of
 from shared.protocol import MIN_ANONYMOUS_IDEMPOTENCY_CHARS, Generate
 from shared.sampling import SamplingParams
 from shared.streams import RequestEntry
-from shared.structured import grammar_for
+from shared.structured import grammar_for, tool_mode
 
 
 log = logging.getLogger("gateway.requests")
@@ -81,9 +81,11 @@ class RequestStarter:
         self.gw_id = gw_id
 
     async def start(self, requests: RequestTable, key_id: str, msg: Generate, *,
-                    rid: str | None = None) -> RequestState:
+                    rid: str | None = None, replaces: str = "") -> RequestState:
         """`rid`: the server id to use (the HTTP API names its response after it); a new 128-bit
-        one by default."""
+        one by default. `replaces`: the request `msg`'s idempotency key named, cancelled as an
+        orphan before this re-send could attach to it: this one takes the key over, and that
+        one's concurrency slot goes (it never runs on)."""
         s, cid = self.s, msg.id
         check_prompt_chars(msg, s.max_prompt_chars)
         max_tokens = msg.max_tokens if msg.max_tokens is not None else min(s.default_max_tokens, s.max_tokens_cap)
@@ -125,10 +127,11 @@ class RequestStarter:
             route=self.router.pick(msg.prompt_cache_key, route_text(msg), messages, scope), cache_salt=scope,
         )
         # leases of this key that ended here but are still queued for release go first
-        release = self.bookkeeper.take_releases(key_id)
+        release = self.bookkeeper.take_releases(key_id) + ([replaces] if replaces else [])
         try:
             # rate limit + concurrency lease + queue: one round trip
-            first = await self.submitter.submit(entry, release=release, idem=idem)
+            first = await self.submitter.submit(entry, release=release, idem=idem, replaces=replaces,
+                                                tool_mode=tool_mode(msg.tools, msg.tool_choice))
         except ProtocolError as exc:
             requests.drop(req)
             exc.request_id = cid

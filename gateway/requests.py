@@ -38,7 +38,7 @@ from gateway.request_log import CancelWatch, cancel_confirmed, log_finished
 from gateway.request_state import Phase, RequestState
 from gateway.settings import GatewaySettings
 from shared.errors import ErrorCode
-from shared.events import AttachMarker, DoneEvent, ErrEvent, Event, HistoryEvent, TokEvent
+from shared.events import AttachMarker, DoneEvent, ErrEvent, Event, HistoryEvent, Moved, TokEvent
 from shared.protocol import Done
 from shared.logs import rid_of
 
@@ -106,9 +106,11 @@ class RequestTable:
         log_finished(req, req.final, now)
         log.debug("request %s done on this gateway (%s): %s, seq %d", req.rid, req.client_id, done.finish_reason,
                   done.seq, extra=rid_of(req.rid))
+        moved = req.moved       # it runs on, for another session: its slot and `reqs` entry are that one's
         self._detach(req)
         self._by_id.pop(req.client_id, None)
-        self.bookkeeper.request_ended(req.key_id, req.rid)
+        if not moved:
+            self.bookkeeper.request_ended(req.key_id, req.rid)
         return done
 
     def release_all(self) -> None:
@@ -156,8 +158,9 @@ class RequestTable:
             self._wake.set()
 
     def _taken_over(self, req: RequestState) -> None:
-        """Another session of this gateway resumed the request (or sent its idempotency key
-        again): it streams there now; end it here, typed, rather than leave it silent."""
+        """Another session resumed the request (or sent its idempotency key again), of this
+        gateway (its inbox subscription replaced ours) or of another one (its `moved` notice came
+        through our inbox): it streams there now; end it here, typed, rather than leave it silent."""
         if not req.finished and req.join.end_here(ErrEvent.here(
                 req.rid, req.join.delivered, ErrorCode.RESUMED_ELSEWHERE,
                 "another connection resumed this request; it streams there now")):
@@ -183,6 +186,13 @@ class RequestTable:
     def on_event(self, req: RequestState, ev: Event) -> None:
         """A live event from the inbox (never awaits)."""
         if req.finished:
+            return
+        if isinstance(ev, Moved):
+            # a resume newer than ours, on another gateway (while our own attach is in flight we
+            # do not know our att yet, and an older notice must not end us: ignored then)
+            if ev.att > req.att and req.sub is not None and req.phase is not Phase.OPENING:
+                self.reader.unsubscribe(req.sub)             # (req.moved from now on)
+                self._taken_over(req)
             return
         req.progress_at = time.monotonic()
         if isinstance(ev, AttachMarker):

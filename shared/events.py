@@ -15,6 +15,7 @@ is skipped.
 | `ErrEvent`     | `err`  | history `{seq}-1`, inbox    | the request's final: a typed error            |
 | `AttachMarker` | `att`  | inbox only                  | "everything <= seq is in the history"         |
 | `TokenizeReply`| `tokr` | inbox only                  | a worker's answer to a tokenize/detokenize    |
+| `Moved`        | `moved`| inbox only (gateway → gw)   | rid was resumed on another gateway            |
 
 The gateway's own finals (a cancel no worker confirmed, a stall, a resume elsewhere, a hole in
 the history) are `DoneEvent` / `ErrEvent` too, made with `local=True` (never on the wire).
@@ -332,6 +333,25 @@ class AttachMarker:
 
 
 @dataclass(slots=True)
+class Moved:
+    """Inbox only, written by a GATEWAY into the inbox of the gateway that served rid before:
+    a client resumed rid there (attach counter `att`); the old gateway's session that still
+    has it ends it with `resumed_elsewhere` instead of leaving it silent (gateway.submit.attach)."""
+    KIND: ClassVar[str] = "moved"
+    is_final: ClassVar[bool] = False
+
+    rid: str
+    att: int
+
+    def encode(self) -> bytes:
+        return _pack({"v": EVENT_VERSION, "k": "moved", "rid": self.rid, "att": self.att})
+
+    @classmethod
+    def from_map(cls, d: dict) -> "Moved":
+        return cls(d.get("rid") or "", int(d.get("att") or 0))
+
+
+@dataclass(slots=True)
 class ReplyError:
     """A worker's refusal of a tokenize request (the `error` of a `TokenizeReply`)."""
     code: str
@@ -385,12 +405,13 @@ class TokenizeReply:
                    list(strs) if strs is not None else None, d.get("max_model_len"), d.get("prompt"), error)
 
 
-Event = Union[TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply]
+Event = Union[TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply, Moved]
 FinalEvent = Union[DoneEvent, ErrEvent]
 HistoryEvent = Union[TokEvent, DoneEvent, ErrEvent]      # what a request's history stream holds
 HISTORY_TYPES = (TokEvent, DoneEvent, ErrEvent)
 
-_BY_KIND: dict[str, Any] = {c.KIND: c.from_map for c in (TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply)}
+_BY_KIND: dict[str, Any] = {c.KIND: c.from_map for c in (TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply,
+                                                         Moved)}
 
 
 def event_from_map(obj: Any) -> Event | None:

@@ -44,6 +44,7 @@ from shared.sampling import SamplingParams
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
+INBOX_MAXLEN = 10000     # entries of a gateway's inbox (approximate MAXLEN): each holds one flush's events
 
 # fields of p:{r:rid}:meta
 META_KEY = "key"        # API key id of the request's owner (resume must present the same key)
@@ -53,6 +54,9 @@ META_LEASE = "lease"    # ms on Redis's clock until which owner's claim holds (r
 META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
 META_ATT = "att"        # attach counter: bumped by every resume
 META_BG = "bg"          # "1": a background response (nobody need listen: never cancelled as an orphan)
+META_ORPHANED = "orph"  # "1": an orphan sweep cancelled it (nobody resumed it within the grace; gateway.submit)
+META_TOOLS = "tm"       # how a chat answer is read for tool calls (auto | forced; absent: plain text), so
+                        # a resume on any replica parses it as the first stream did
 
 
 @dataclass(frozen=True)

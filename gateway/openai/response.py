@@ -176,11 +176,12 @@ class OpenAIResponse:
             c.error_written = True
             await self._event(error.body(), done.seq, commit=True)
             return
-        if c.tools is not None:
-            rest = structured.delta(*c.tools.finish())
-            if rest:
-                await self._event(self._chunk(None, None, delta=rest, index=c.index), done.seq, commit=True)
-        last = self._chunk(None, structured.finish_reason(c.tools, done.finish_reason), index=c.index)
+        # what the tool-call parser held back rides in the finish chunk: all of an answer's
+        # finals share the last token's id, so a client resuming there must not miss or
+        # repeat a delta that came before the finish in an event of its own
+        rest = structured.delta(*c.tools.finish()) if c.tools is not None else None
+        last = self._chunk(None, structured.finish_reason(c.tools, done.finish_reason), delta=rest or None,
+                           index=c.index)
         if self.prompt_tokens is not None and all(x.done is not None for x in self.choices.values()):
             last["usage"] = self.usage()
         await self._event(last, done.seq, commit=True)

@@ -11,7 +11,9 @@ token appended) and the engine turns each sampled token into what the request pr
 (detokenize, stop strings, finish, logprobs). Every request the engine holds ends with exactly
 one final output, whatever raises: a failed forward pass fails the requests in it, a failure
 while handling one request's token fails that request only. The engine is single-threaded by
-design: its owner calls add/cancel/step from one thread.
+design: its owner calls add/cancel/step from one thread. The one exception is structured output's
+schema compiles, which run on threads of their own (grammar_compile.py): a request with a grammar
+waits beside the batch and joins it at the first step after its grammar is ready.
 
 Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py,
 kv_cache_manager.py): KV blocks of earlier requests' contexts stay in the pool after they end
@@ -36,7 +38,8 @@ from worker.engine import attention
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
-from worker.engine.grammar import GrammarError, Grammars
+from worker.engine.grammar import Compile, GrammarRefused, Grammars
+from worker.engine.grammar_compile import Waiting
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.kv_cache_manager import KVCacheManager
 from worker.engine.logprobs import TokenText, entry as logprob_entry
@@ -95,15 +98,19 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._logits_width = model.get_output_embeddings().out_features   # a seeded token's noise
-        # compiles requests' grammars here, applies their masks in the runner (stop ids read at
-        # the first compile, from the runner's eos_ids)
-        self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.eos_ids, config.max_batch, self.device)
+        # compiles requests' grammars (on its own threads), applies their masks in the runner
+        # (stop ids read at the first compile, from the runner's eos_ids)
+        self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.eos_ids, config.max_batch, self.device,
+                                 config.grammar)
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
                                   max_positions=config.max_seq_len, device=self.device,
                                   dtype=config.dtype, cuda_graphs=config.cuda_graphs, grammars=self.grammars)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._by_rid: dict[str, Sequence] = {}
+        # requests waiting for their grammar (worker.engine.grammar_compile): they join at a step
+        # once it is compiled, or are refused (too large, invalid, past the compile timeout)
+        self._compiling = Waiting()
         self._token_text = TokenText(tokenizer)   # logprobs: tokens as text
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
         self._arrivals = 0
@@ -124,7 +131,29 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_rid or self._finals)
+        """Requests to run, finals to report or grammars being compiled (step() then waits for one)."""
+        return bool(self._by_rid or self._finals or self._compiling)
+
+    def ready(self) -> bool:
+        """Whether step() has something to do now without waiting for a compile: what a driver that
+        must stay responsive (worker.engine_thread) steps on, waking on `on_compiled`."""
+        return bool(self._by_rid or self._finals) or self._compiling.any_ready()
+
+    def compile_deadline(self) -> float | None:
+        """time.monotonic() by which the next compile is refused if not done (None: none pending)."""
+        return self._compiling.deadline()
+
+    def compile_of(self, rid: str) -> Compile | None:
+        """The compile a request waits for (None: it is not waiting for one)."""
+        return self._compiling.get(rid)
+
+    def on_compiled(self, notify) -> None:
+        """`notify()` is called (in a compile thread) whenever a compile ends."""
+        self.grammars.pool.on_done = notify
+
+    def take_grammar_records(self) -> tuple[list[float], list[str]]:
+        """Compile seconds and refusal reasons since the last take (the worker's metrics)."""
+        return self.grammars.pool.take_records()
 
     @property
     def num_running(self) -> int:
@@ -132,11 +161,11 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     def request_ids(self) -> list[str]:
-        """Ids of every request the engine holds (waiting or running)."""
-        return list(self._by_rid)
+        """Ids of every request the engine holds (compiling, waiting or running)."""
+        return list(self._by_rid) + self._compiling.rids()
 
     @property
     def kv_tokens_total(self) -> int:
@@ -175,9 +204,10 @@ class Engine:
         return min(self.config.max_seq_len, self.cache.tokens_total)
 
     def add(self, req: EngineRequest) -> None:
-        """Queue a request, or raise EngineRejected if it can never run."""
+        """Queue a request, or raise EngineRejected if it can never run. A request with a grammar
+        waits for it to compile (off this thread) and joins at a later step."""
         p = req.params
-        if req.rid in self._by_rid:
+        if req.rid in self._by_rid or req.rid in self._compiling:
             raise EngineRejected(ErrorCode.DUPLICATE_ID, f"request {req.rid!r} is already in the engine")
         if not req.prompt_ids:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "empty prompt")
@@ -199,20 +229,19 @@ class Engine:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({p.max_tokens}) = {need} exceeds "
                 f"the {limit} tokens one request may use",
             )
+        if p.grammar is not None:
+            self._compiling.add(req.rid, req, self.grammars.compile(p.grammar))
+            return
+        self._enter(req, None)
+
+    def _enter(self, req: EngineRequest, matcher) -> None:
+        """A checked request (with its grammar's matcher, if it has one) joins the scheduler."""
+        p = req.params
+        context = list(req.prompt_ids) + list(req.generated_ids)
         generator = None
         if p.temperature > 0 and p.seed is not None:
             generator = make_generator(p.seed, self.config.device)
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
-        matcher = None
-        if p.grammar is not None:
-            try:
-                matcher = self.grammars.matcher(p.grammar)
-            except GrammarError as exc:
-                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}",
-                                     param="response_format") from None
-            # a continuation: the grammar is where the delivered tokens left it
-            if not all(matcher.accept(token) for token in req.generated_ids):
-                raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
         salt = req.cache_salt.encode()
         seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals, tokens=context,
@@ -240,15 +269,25 @@ class Engine:
         model, so a cancel is answered without waiting for a forward pass."""
         seq = self._by_rid.get(rid)
         if seq is None:
-            return False
+            req = self._compiling.drop(rid)
+            if req is not None:
+                self._finals.append(self._unentered(req, "cancelled"))
+            return req is not None
         self._forget(seq)
         self._finals.append(self._final(seq, "", "cancelled"))
         return True
 
     def step(self) -> list[StepOutput]:
-        """Pending finals (cancels) if there are any, else one scheduled forward pass and what
-        each request produced."""
+        """Pending finals (cancels, refusals) if there are any, else one scheduled forward pass and
+        what each request produced. Requests whose grammar compiled join first; with nothing else
+        to run, it waits for a compile (up to its deadline): a driver that must not wait steps
+        only when `ready()`."""
         self.last_step = None
+        if self._compiling:
+            self._admit_compiled()
+            if not self._by_rid and not self._finals and self._compiling:   # nothing else to do
+                self._compiling.wait()
+                self._admit_compiled()
         if self._finals:
             return self._take_finals()
         try:
@@ -274,6 +313,33 @@ class Engine:
         return self._update(plan, tokens) + self._take_finals()
 
     # ---- internals --------------------------------------------------------------------
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the scheduler; refused ones end (a final)."""
+        for req, job, now in self._compiling.take_ready():
+            try:
+                matcher = job.result(now)
+                # a continuation: the grammar is where the delivered tokens left it
+                if not all(matcher.accept(token) for token in req.generated_ids):
+                    raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
+                self._enter(req, matcher)
+            except GrammarRefused as exc:
+                self.grammars.pool.count_refusal(exc.reason)
+                self._finals.append(self._unentered(req, "error", ErrorCode.INVALID_REQUEST, f"{exc.param}: {exc}",
+                                                    exc.param))
+            except EngineRejected as exc:
+                self._finals.append(self._unentered(req, "error", exc.code, exc.message, exc.param))
+            except Exception as exc:  # a bug: this request fails, not the step
+                log.exception("starting %s after its grammar compiled failed", req.rid)
+                self._finals.append(self._unentered(req, "error", ErrorCode.INTERNAL,
+                                                    f"could not start the request: {exc}"))
+
+    def _unentered(self, req: EngineRequest, reason: FinishReason, code: ErrorCode | None = None,
+                   message: str | None = None, param: str | None = None) -> StepOutput:
+        """The final of a request that never joined the scheduler (its grammar was not ready)."""
+        return StepOutput(rid=req.rid, text="", token_ids=[], finished=True, finish_reason=reason,
+                          prompt_tokens=len(req.prompt_ids), completion_tokens=0, error_code=code,
+                          error_message=message, error_param=param)
 
     def _update(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
         """The scheduler advances each scheduled request (computed tokens, published blocks,
