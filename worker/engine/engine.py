@@ -42,7 +42,7 @@ from worker.engine.grammar import Compile, GrammarRefused, Grammars
 from worker.engine.grammar_compile import Waiting
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.kv_cache_manager import KVCacheManager
-from worker.engine.logprobs import TokenText, entry as logprob_entry
+from worker.engine.logprobs import TokenText, entry as logprob_entry, prompt_echo
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner
@@ -358,7 +358,7 @@ class Engine:
                 if logprobs is not None and logprobs[i] is not None:
                     self._add_logprobs(seq, token, logprobs[i], out)
                 if (seq.echo or seq.prompt_lp_k >= 0) and out is not None and out.token_ids:
-                    out.prompt = self._prompt_echo(seq)
+                    out.prompt = prompt_echo(seq, self._token_text, self.tokenizer)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
@@ -409,24 +409,6 @@ class Engine:
         seq.text_offset += len(self._token_text(token))
         if out is not None and out.token_ids:
             out.logprobs = [logprob_entry(self._token_text, token, row, offset)]
-
-    def _prompt_echo(self, seq: Sequence) -> list:
-        """What the first emitted token carries for echo / prompt logprobs (StepOutput.prompt):
-        the prompt as text, and per prompt token [token, logprob, top, text_offset] (the first
-        token's logprob None: nothing precedes it), offsets counted over the prompt's tokens."""
-        text = entries = None
-        ids = seq.req.prompt_ids
-        if seq.echo:
-            text = seq.req.prompt_text if seq.req.prompt_text is not None else \
-                self.tokenizer.decode(ids, skip_special_tokens=False)
-        if seq.prompt_lp_k >= 0:
-            words = self._token_text
-            entries, offset = [[words(ids[0]), None, [], 0]], len(words(ids[0]))
-            for token, row in zip(ids[1:], seq.prompt_rows):
-                entries.append(logprob_entry(words, token, row, offset))
-                offset += len(words(token))
-        seq.echo, seq.prompt_lp_k, seq.prompt_rows = False, -1, []
-        return [text, entries]
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
