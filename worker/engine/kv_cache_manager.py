@@ -9,6 +9,10 @@ its block table `blocks`, the names of its context's full blocks `block_names` (
 each, as they are looked up or fill), how many of `blocks` are named in the pool `published`,
 and `cached_tokens`, the context tokens its first pass took from the cache.
 
+A request that asks for prompt logprobs (completions `echo` + `logprobs`) takes no cached
+blocks while they are not all computed: the logits of every prompt position are needed (vLLM's
+rule); the blocks it fills are published for others as usual.
+
 Prefix caching (when the pool caches): a request whose computed prefix ends at a block boundary
 takes the cached blocks that continue it, on admission and again whenever its prompt is next
 scheduled (a request that waited for the prefill budget then finds what an identical one computed

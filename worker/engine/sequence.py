@@ -59,7 +59,7 @@ class Sequence:
     ignore_eos: bool = field(init=False)
     top_logprobs: int = field(init=False)      # logprobs: alternatives per token; -1: no logprobs
     text_offset: int = 0                       # logprobs: the output's length in token strings so far
-    # echo / prompt logprobs (Engine._prompt_echo): sent with the first emitted token; the
+    # echo / prompt logprobs (logprobs.prompt_echo): sent with the first emitted token; the
     # alternatives wanted per prompt token (-1: none) and the rows computed so far, one per
     # prompt position but the last (the runner adds them as prefill chunks run)
     echo: bool = False

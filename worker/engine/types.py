@@ -79,5 +79,5 @@ class StepOutput:
     # errors: the request field the error is about (EngineRejected.param), if one
     error_param: str | None = _wire("ep", sparse=True, default=None)
     # the first output of a request that asks for echo / prompt logprobs: [prompt text or None,
-    # per prompt token its entry (the first one's logprob None) or None] (Engine._prompt_echo)
+    # per prompt token its entry (the first one's logprob None) or None] (logprobs.prompt_echo)
     prompt: list | None = _wire("pr", sparse=True, default=None)
