@@ -258,11 +258,6 @@ class OpenAIResponse:
         self.last_send = time.monotonic()
 
 
-def usage_of(done: Done) -> dict:
-    """OpenAI's usage, with its own field for the prompt tokens the prefix cache served."""
-    return usage_of_all([done])
-
-
 def echoed(msg: Chunk, echo_only: bool) -> tuple[str, list | None]:
     """A chunk's text and logprobs as a completion shows them: the prompt first when it came
     with it (`echo`, prompt logprobs); `echo_only` (max_tokens 0): the prompt alone, without
