@@ -18,6 +18,7 @@ configuration alike. Median of `--reps`.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.logprobs import ratio_rows, run_shapes, shape_parser  # noqa: E402
+from bench.common import table, write_json  # noqa: E402
+from bench.logprobs import parser, run_shapes  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 
@@ -61,17 +63,24 @@ def measure(model, tok, args, shape: str) -> list[dict]:
     for rep in range(args.reps):
         for a, engine in engines.items():     # interleaved: noise falls on every configuration
             times[a].append(prefill_step(engine, args, a, rep))
-    return ratio_rows(times, counts, shape=shape, rows=args.rows, prompt=args.prompt, top=args.top)
+    base = statistics.median(times[counts[0]])
+    return [{"shape": shape, "rows": args.rows, "prompt": args.prompt, "asking": a, "top": args.top,
+             "step_ms": round(1000 * statistics.median(times[a]), 3),
+             "x_none_asking": round(statistics.median(times[a]) / base, 3)} for a in counts]
 
 
 def main() -> None:
-    ap = shape_parser(__doc__)
-    ap.add_argument("--prompt", type=int, default=16)
+    ap = parser(__doc__)      # (its --prompt: the prompt length; --steps and --temperature unused here)
+    ap.set_defaults(prompt=16)
     ap.add_argument("--asking", default="0,8,64", help="rows asking for prompt logprobs (first: the baseline)")
     ap.add_argument("--top", type=int, default=1, help="alternatives per prompt token (lm-eval asks 1)")
     ap.add_argument("--reps", type=int, default=9)
-    run_shapes(ap.parse_args(), measure, "prompt_logprobs",
-               ["shape", "rows", "prompt", "asking", "top", "step_ms", "x_none_asking"])
+    args = ap.parse_args()
+    results = run_shapes(args, measure)
+    print(table(results, ["shape", "rows", "prompt", "asking", "top", "step_ms", "x_none_asking"]))
+    print("wrote", write_json("prompt_logprobs", {"device": args.device,
+                                                  "args": {k: str(v) for k, v in vars(args).items()},
+                                                  "results": results}))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,24 @@ def check_prompt_chars(msg: Generate, limit: int) -> None:
                             msg.id)
 
 
+def sampling_params(msg: Generate, max_tokens: int) -> SamplingParams:
+    """The generate's sampling fields as the request entry carries them."""
+    if msg.min_tokens > max_tokens:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"min_tokens {msg.min_tokens} exceeds max_tokens {max_tokens}",
+                            msg.id, param="min_tokens")
+    return SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
+                          top_k=max(msg.top_k, 0), seed=msg.seed, stop=list(msg.stop),
+                          grammar=grammar_for(msg.response_format, msg.tools, msg.tool_choice),
+                          logprobs=(msg.top_logprobs or 0) if msg.logprobs else None,
+                          ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
+                          frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
+                          logit_bias={int(k): v for k, v in msg.logit_bias.items()} if msg.logit_bias else None,
+                          min_p=msg.min_p, min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids),
+                          include_stop_str_in_output=msg.include_stop_str_in_output,
+                          skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
+                          echo=msg.echo)
+
+
 def entry_prompt(msg: Generate) -> tuple[str | None, list[dict] | None, list[dict] | None]:
     """(prompt, messages, tools) as the request entry carries them to the worker's prompt
     building; a /tokenize request sends the same, so it gets the ids a generate would run."""
@@ -94,6 +112,7 @@ class RequestStarter:
                                 f"max_tokens {max_tokens} exceeds the server cap of {s.max_tokens_cap}", cid)
         if len(msg.stop) > s.max_stop_strings:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"at most {s.max_stop_strings} stop strings", cid)
+        params = sampling_params(msg, max_tokens)
         idem = None
         if msg.idempotency_key is not None:
             anonymous = is_anonymous(key_id)
@@ -114,11 +133,7 @@ class RequestStarter:
         scope = cache_scope(key_id, msg.cache_salt)
         entry = RequestEntry(
             rid=rid,
-            params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop),
-                                  grammar=grammar_for(msg.response_format, msg.tools, msg.tool_choice),
-                                  logprobs=(msg.top_logprobs or 0) if msg.logprobs else None,
-                                  ignore_eos=msg.ignore_eos, prompt_logprobs=msg.prompt_logprobs, echo=msg.echo),
+            params=params,
             prompt=prompt,
             prompt_ids=list(msg.prompt_ids) if msg.prompt_ids is not None else None,
             messages=messages,

@@ -38,7 +38,7 @@ from gateway.requests import RequestTable
 from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Resume
-from shared.streams import META_KEY
+from shared.streams import META_KEY, META_TOOLS
 from shared.logs import rid_of
 
 log = logging.getLogger("gateway.resume")
@@ -96,6 +96,7 @@ class Resumer:
             # the same answer whether the id is unknown or another key's: no hint that it exists
             raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
         req = requests.open(cid, rid, key_id, skip_seq=msg.last_seq, resumed=True)
+        req.tool_mode = meta.get(META_TOOLS) or None
         try:
             attached = await self.submitter.attach(rid)
         except (RedisError, OSError):

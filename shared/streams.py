@@ -11,7 +11,7 @@ each multi-key command, MULTI or Lua script touches ONE Redis Cluster slot:
 | p:{q}:rate:<key_id>:<m>  | string | {q}     | per-key rate-limit counter of minute m                      |
 | p:{q}:idem:<owner>:<h>   | string | {q}     | rid of the request an idempotency key started (TTL)         |
 | p:{r:<rid>}:out          | stream | {r:rid} | the request's HISTORY: ids `{seq}-0` tokens, `{seq}-1` final |
-| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att (META_*); TTL output_ttl_s |
+| p:{r:<rid>}:meta         | hash   | {r:rid} | key, gw, owner, lease, epoch, att, bg, tm (META_*); TTL output_ttl_s |
 | p:{r:<rid>}:cancel       | string | {r:rid} | cancel flag for a request not yet running (TTL)             |
 | p:{g:<gw>}:inbox         | stream | {g:gw}  | LIVE events of the requests gateway `gw` serves (MAXLEN ~)  |
 | p:{g:<gw>}:reqs          | set    | {g:gw}  | rids gateway `gw` serves (takeover when it dies); TTL beats |
@@ -40,7 +40,7 @@ import msgpack
 
 from shared.events import EVENT_VERSION
 from shared.protocol import MAX_TOP_LOGPROBS, PROTOCOL_VERSION
-from shared.sampling import SamplingParams
+from shared.sampling import NEUTRAL, SamplingParams, invalid_control
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
@@ -182,6 +182,9 @@ class RequestEntry:
             del fields["params"]["logprobs"]    # what workers older than logprobs can read
         if not fields["params"]["ignore_eos"]:
             del fields["params"]["ignore_eos"]  # what workers older than ignore_eos can read
+        for name, neutral in NEUTRAL.items():   # what workers older than these controls can read
+            if fields["params"][name] == neutral:
+                del fields["params"][name]
         for name, usual in (("prompt_logprobs", None), ("echo", False)):   # older workers read it without
             if fields["params"][name] == usual:
                 del fields["params"][name]
@@ -193,7 +196,7 @@ class RequestEntry:
     def decode(cls, raw: bytes) -> "RequestEntry":
         """Raises ValueError on anything malformed (the caller dead-letters it)."""
         try:
-            obj = msgpack.unpackb(raw, raw=False)
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)   # logit_bias: int keys
         except Exception as exc:
             raise ValueError(f"undecodable entry: {exc}") from None
         if not isinstance(obj, dict):
@@ -237,6 +240,8 @@ class RequestEntry:
             raise ValueError("bad cache_salt")
         if type(p.ignore_eos) is not bool:
             raise ValueError("bad ignore_eos")
+        if (bad := invalid_control(p)) is not None:
+            raise ValueError(f"bad {bad[0]}")
         return entry
 
 

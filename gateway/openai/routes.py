@@ -97,7 +97,7 @@ async def _start_choices(front: HttpFront, session: HttpSession, key_id: str, fi
                     attach_as=lambda first, i=i: prefix + first + (f":{i}" if i else "")))
             except ProtocolError as exc:
                 front.metrics.rejections.labels(exc.code.value).inc()
-                raise APIError.from_code(exc.code, exc.message) from None
+                raise APIError.from_code(exc.code, exc.message, exc.param) from None
             except (RedisError, OSError):
                 raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
     except APIError:

@@ -22,8 +22,8 @@ from shared.errors import ErrorCode
 #   * accepted and ignored: it cannot change the answer (`IGNORED` below) — vLLM's stance, so
 #     that what SDKs and frameworks send by default works;
 #   * refused unless neutral: a value that would change the answer and that this server cannot
-#     honour (penalties, ...) is a 400 `unsupported_parameter` naming
-#     it; the value that changes nothing (`tools: []`, penalties 0, ...) is accepted.
+#     honour (`suffix`, `functions`, ...) is a 400 `unsupported_parameter` naming
+#     it; the value that changes nothing (`suffix: ""`, `functions: []`, ...) is accepted.
 # A field this list does not know is refused too (extra="forbid"): nothing unknown is ignored.
 
 # accepted and ignored: name -> why ignoring it changes no answer (quoted in docs/clients.md)
@@ -74,6 +74,14 @@ class _Body(BaseModel):
     resumable: bool = False
     ignore_eos: bool | None = None        # vLLM's: run to max_tokens (benchmarks such as guidellm send it)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: prefix-cache scope (gateway.cache_scope)
+    # vLLM's sampling extensions (SAMPLING_FIELDS; ranges checked by the protocol's `Generate`)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class ChatBody(_Body):
@@ -104,11 +112,10 @@ class CompletionBody(_Body):
 
 
 # refused unless neutral: name -> the test of a value that changes nothing
-_COMMON_NEUTRAL: dict[str, Any] = {
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v,                              # null or {}
-}
+_COMMON_NEUTRAL: dict[str, Any] = {}       # both endpoints: none left (n, penalties and logit_bias are used)
+# passed on as they are when given (OpenAI's penalties and logit_bias, vLLM's extensions)
+SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
+                   "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 _CHAT_NEUTRAL: dict[str, Any] = {
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
@@ -233,7 +240,8 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
                         ("seed", body.seed), ("stop", stop), ("priority", body.priority),
                         ("prompt_cache_key", body.prompt_cache_key),   # routes it to the worker holding its cache
                         ("ignore_eos", body.ignore_eos or None),
-                        ("cache_salt", body.cache_salt)):
+                        ("cache_salt", body.cache_salt),
+                        *((name, getattr(body, name)) for name in SAMPLING_FIELDS)):
         if value is not None:
             fields[name] = value
     return body, fields

@@ -34,6 +34,7 @@ import torch
 
 from shared.errors import ErrorCode
 from shared.protocol import MAX_TOP_LOGPROBS
+from shared.sampling import invalid_control
 from worker.engine import attention
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
@@ -216,6 +217,11 @@ class Engine:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "token id outside the vocabulary")
         if p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or req.skip_tokens < 0:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "invalid sampling parameters")
+        if (bad := invalid_control(p)) is not None:
+            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"{bad[0]} {bad[1]}", param=bad[0])
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias or ())):
+            if any(i >= self._logits_width for i in ids):
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"{name}: token id outside the vocabulary", param=name)
         for k in (p.logprobs, p.prompt_logprobs):
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
@@ -242,7 +248,8 @@ class Engine:
         if p.temperature > 0 and p.seed is not None:
             generator = make_generator(p.seed, self.config.device)
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop, skip_special_tokens=p.skip_special_tokens,
+                                       include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens)
         salt = req.cache_salt.encode()
         seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals, tokens=context,
                        cache_root=self._cache_root, cache_salt=salt, grammar=matcher,
@@ -368,8 +375,8 @@ class Engine:
         return outputs
 
     def _ends(self, seq: Sequence, token: int) -> bool:
-        """Whether `token` is an end-of-sequence token for this request."""
-        return token in self.runner.eos_ids and not seq.ignore_eos
+        """Whether `token` is an end-of-sequence token for this request (or one of its stop_token_ids)."""
+        return (token in self.runner.eos_ids and not seq.ignore_eos) or token in seq.stop_ids
 
     def _finish_reason(self, seq: Sequence, eos: bool) -> FinishReason | None:
         """Why the request ends after its latest token (`eos`: that token ends sequences), if it does."""
@@ -385,7 +392,10 @@ class Engine:
         eos = self._ends(seq, token)
         if seq.grammar is not None and not eos and not seq.grammar.accept(token):
             raise RuntimeError(f"sampled token {token} breaks the request's grammar")
-        text = seq.detok.finish() if eos else seq.detok.add(token)
+        if eos:   # the ending token's own text only where asked (vLLM's include_stop_str_in_output)
+            text = (seq.detok.add(token) if seq.include_stop else "") + seq.detok.finish()
+        else:
+            text = seq.detok.add(token)
         reason = self._finish_reason(seq, eos)
         if reason is not None:
             if reason == "length" or (not eos and seq.grammar is not None and seq.grammar.done):

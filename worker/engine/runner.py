@@ -67,7 +67,8 @@ class ModelRunner:
         self.paged_kernel = paged_attention.available(device)
         self.batch = InputBatch(max_batch, device,
                                 table_width=blocks_for(max_positions, cache.block_size) if self.paged_kernel else 0,
-                                scratch_block=cache.scratch_block)
+                                scratch_block=cache.scratch_block, context=max_positions,
+                                end_ids=lambda: self.eos_ids)
         # set when a non-blocking upload is in flight: the host must not rewrite the pinned
         # staging until the copy has read it (a step that samples nothing never syncs otherwise)
         self._upload_done: torch.cuda.Event | None = None
@@ -164,6 +165,13 @@ class ModelRunner:
             asked = None   # raw logits: before the EOS mask
             if batch.num_logprobs:
                 asked = self.logprobs.prepare(logits, batch.top_logprobs[slots])
+            if batch.penalties.num_active or batch.bias.num_biased or batch.bias.num_min:
+                # bias, min_tokens, penalties (vLLM's order) on float32 logits; a copy while
+                # logprobs still read the raw ones
+                logits = logits.to(torch.float32, copy=asked is not None).contiguous()
+                batch.bias.apply(logits, slots)
+                if batch.penalties.num_active:
+                    batch.penalties.apply(logits, slots)
             if self.eos_ids and params.host[:, MASK_EOS].any():   # ignore_eos rows never sample EOS
                 eos = self._eos_tensor()
                 logits[:, eos] = logits[:, eos].masked_fill(params.dev[:, MASK_EOS, None] > 0, float("-inf"))
@@ -172,6 +180,9 @@ class ModelRunner:
                 if len(rows):
                     self.grammars.apply_masks(logits, rows, matchers)
             tokens = sample(logits, params, self.shared_generator)
+            if batch.penalties.num_active:   # the sampled ids join their rows' counts
+                batch.penalties.record(slots, tokens)
+            batch.bias.advance(slots)
             if asked is not None:
                 ids, self.last_logprobs = self.logprobs.finish(asked, tokens)
                 return ids

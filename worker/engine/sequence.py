@@ -58,6 +58,8 @@ class Sequence:
     skip_tokens: int = field(init=False)
     ignore_eos: bool = field(init=False)
     top_logprobs: int = field(init=False)      # logprobs: alternatives per token; -1: no logprobs
+    stop_ids: frozenset = field(init=False)    # stop_token_ids: more ids that end it (as EOS does)
+    include_stop: bool = field(init=False)     # an ending token's text is kept (include_stop_str_in_output)
     text_offset: int = 0                       # logprobs: the output's length in token strings so far
     # echo / prompt logprobs (logprobs.prompt_echo): sent with the first emitted token; the
     # alternatives wanted per prompt token (-1: none) and the rows computed so far, one per
@@ -76,6 +78,8 @@ class Sequence:
         self.skip_tokens = req.skip_tokens
         self.ignore_eos = req.ignore_eos
         self.top_logprobs = -1 if params.logprobs is None else params.logprobs
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.include_stop = params.include_stop_str_in_output
 
     @property
     def completion_tokens(self) -> int:
