@@ -71,7 +71,8 @@ def sampling_params(msg: Generate, max_tokens: int) -> SamplingParams:
                           logit_bias={int(k): v for k, v in msg.logit_bias.items()} if msg.logit_bias else None,
                           min_p=msg.min_p, min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids),
                           include_stop_str_in_output=msg.include_stop_str_in_output,
-                          skip_special_tokens=msg.skip_special_tokens)
+                          skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
+                          echo=msg.echo)
 
 
 def entry_prompt(msg: Generate) -> tuple[str | None, list[dict] | None, list[dict] | None]:
@@ -80,6 +81,11 @@ def entry_prompt(msg: Generate) -> tuple[str | None, list[dict] | None, list[dic
     messages = [m.model_dump(exclude_none=True) for m in msg.messages] if msg.messages is not None else None
     tools = [t.model_dump(exclude_none=True) for t in msg.tools] if msg.tools and msg.tool_choice != "none" else None
     return msg.prompt, messages, tools
+
+
+def route_text(msg: Generate) -> str | None:
+    """What routes a raw prompt (shared.routing): its text, or its token ids spelled out."""
+    return msg.prompt if msg.prompt_ids is None else " ".join(map(str, msg.prompt_ids[:1024]))
 
 
 class RequestStarter:
@@ -129,10 +135,11 @@ class RequestStarter:
             rid=rid,
             params=params,
             prompt=prompt,
+            prompt_ids=list(msg.prompt_ids) if msg.prompt_ids is not None else None,
             messages=messages,
             tools=tools,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,
-            route=self.router.pick(msg.prompt_cache_key, prompt, messages, scope), cache_salt=scope,
+            route=self.router.pick(msg.prompt_cache_key, route_text(msg), messages, scope), cache_salt=scope,
         )
         # leases of this key that ended here but are still queued for release go first
         release = self.bookkeeper.take_releases(key_id) + ([replaces] if replaces else [])

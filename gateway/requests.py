@@ -222,7 +222,7 @@ class RequestTable:
             if isinstance(ev, TokEvent):
                 if ev.prompt_tokens:
                     req.prompt_tokens = ev.prompt_tokens
-                req.buffer.add(ev.text, len(ev.ids), ev.seq, now, ev.logprobs)
+                req.buffer.add(ev.text, len(ev.ids), ev.seq, now, ev.logprobs, ev.prompt)
         if req.cancel_at is not None and req.final is not None:
             cancel_confirmed(req, req.final, self.metrics, now)
         if was_empty or req.final is not None or req.buffer.due(now):

@@ -122,6 +122,12 @@ class Generate(_ClientMsg):
                                                                          max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # a prompt given as token ids (vLLM's; lm-evaluation-harness sends them), instead of text
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    # the first chunk carries the prompt as text (`prompt_text`) and, with `prompt_logprobs`, each
+    # prompt token's logprob and this many alternatives (completions `echo` + `logprobs`)
+    echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     _id = field_validator("id")(_check_id)
 
@@ -134,8 +140,8 @@ class Generate(_ClientMsg):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "Generate":
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("give exactly one of 'messages' or 'prompt'")
+        if [self.messages, self.prompt, self.prompt_ids].count(None) != 2:
+            raise ValueError("give exactly one of 'messages', 'prompt' or 'prompt_ids'")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
         check_tools(self.tools, self.tool_choice, self.messages is not None)
@@ -148,6 +154,8 @@ class Generate(_ClientMsg):
     def prompt_chars(self) -> int:
         if self.prompt is not None:
             return len(self.prompt)
+        if self.prompt_ids is not None:
+            return len(self.prompt_ids)
         return sum(len(m.content) for m in self.messages or ())
 
 
@@ -210,6 +218,11 @@ class TokenLogprob(TopLogprob):
     text_offset: int                 # the lengths of the output's token strings before it
 
 
+class PromptLogprob(TokenLogprob):
+    """One prompt token (`prompt_logprobs`): the first has no logprob (nothing precedes it)."""
+    logprob: float | None
+
+
 class Accepted(_Msg):
     type: Literal["accepted"] = "accepted"
     id: str
@@ -225,6 +238,10 @@ class Chunk(_Msg):
     text: str
     tokens: int
     logprobs: list[TokenLogprob] | None = None    # requests that ask: one per token of this chunk
+    # the request's first chunk, when asked: the prompt as text (`echo`) and per prompt token
+    # its logprob and alternatives (`prompt_logprobs`)
+    prompt_text: str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Done(_Msg):

@@ -50,6 +50,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # prompt logprobs (completions `echo` + `logprobs`, vLLM's `prompt_logprobs`): per prompt token
+    # its logprob (the first: none) and this many alternatives, on the first output; None: none
+    prompt_logprobs: int | None = None
+    # the first output carries the prompt as text (completions `echo`)
+    echo: bool = False
 
     @property
     def deterministic(self) -> bool:

@@ -503,7 +503,7 @@ async def p_request_id(ctx: Ctx, _=None) -> str:
 
 
 async def p_errors(ctx: Ctx, _=None) -> str:
-    for call, kind, status in [(ctx.chat(n=2), openai.BadRequestError, 400),
+    for call, kind, status in [(ctx.chat(n=99), openai.BadRequestError, 400),
                                (ctx.chat(model="nope"), openai.NotFoundError, 404),
                                (ctx.client.embeddings.create(model=MODEL, input="x"), openai.NotFoundError, 404),
                                (ctx.client.post("/models", cast_to=object, body={}), openai.APIStatusError, 405)]:
@@ -531,6 +531,45 @@ async def p_logprobs(ctx: Ctx, _=None) -> str:
     assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
     text = await ctx.completion(logprobs=2)
     assert text.choices[0].text == ctx.text and len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
+    return "yes"
+
+
+async def p_n(ctx: Ctx, _=None) -> str:
+    """Choices: each is the single request with seed + i (tests/test_openai_choices.py: streamed,
+    cancelled, sharing the prompt's cache)."""
+    r = await ctx.chat(n=3, temperature=1.0, seed=4)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert texts == [(await ctx.chat(temperature=1.0, seed=4 + i)).choices[0].message.content for i in range(3)]
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == (await ctx.chat()).usage.prompt_tokens
+    ends = [c.choices[0].index async for c in await ctx.completion(n=2, stream=True) if c.choices[0].finish_reason]
+    assert sorted(ends) == [0, 1]
+    with pytest.raises(openai.BadRequestError) as info:
+        await ctx.chat(n=99)
+    assert info.value.body["param"] == "n"
+    return "yes"
+
+
+async def p_echo(ctx: Ctx, _=None) -> str:
+    r = await ctx.completion(echo=True)
+    assert r.choices[0].text == PROMPT + ctx.text and r.usage.completion_tokens == 6
+    alone = await ctx.completion(echo=True, max_tokens=0)
+    assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
+    return "yes"
+
+
+async def p_prompt_logprobs(ctx: Ctx, _=None) -> str:
+    """The prompt's tokens first, the first null (tests/test_lm_eval.py checks the values against
+    transformers through lm-evaluation-harness); a token-id prompt gets the same."""
+    r = await ctx.completion(echo=True, logprobs=1)
+    lp, n = r.choices[0].logprobs, r.usage.prompt_tokens
+    assert len(lp.tokens) == n + 6 and "".join(lp.tokens[:n]) == PROMPT and r.choices[0].text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(top[tok] == p for tok, p, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    ids = (await ctx.http.post("/tokenize", json={"prompt": PROMPT})).json()["tokens"]
+    by_ids = await ctx.completion(prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    assert by_ids.choices[0].logprobs.tokens == lp.tokens[:n] and by_ids.choices[0].text == PROMPT
+    assert by_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
     return "yes"
 
 
@@ -855,7 +894,7 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "message.annotations": message_field("annotations", [{"type": "url_citation", "url_citation": {
         "url": "https://example.com", "title": "Example", "start_index": 0, "end_index": 3}}]),
     "message.name": message_field("name", "alice", role="user"),
-    "n": param("n", 2),
+    "n": p_n,
     "presence_penalty": control("presence_penalty", 1.5, 2.5),
     "frequency_penalty": control("frequency_penalty", 1.0, -3),
     "logit_bias": p_logit_bias,
@@ -869,7 +908,9 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "modalities": param("modalities", ["text", "audio"]),
     "audio": param("audio", {"voice": "alloy", "format": "wav"}),
     "web_search_options": param("web_search_options", {}),
-    "echo": param("echo", True, endpoint="completions"),
+    "echo": p_echo,
+    "echo: true": p_prompt_logprobs,
+    "logprobs: k": p_prompt_logprobs,
     "best_of": param("best_of", 2, endpoint="completions"),
     "suffix": param("suffix", " The end.", endpoint="completions"),
     "prompt": param("prompt", [PROMPT, "Far away"], endpoint="completions"),

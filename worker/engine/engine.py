@@ -43,7 +43,7 @@ from worker.engine.grammar import Compile, GrammarRefused, Grammars
 from worker.engine.grammar_compile import Waiting
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.kv_cache_manager import KVCacheManager
-from worker.engine.logprobs import TokenText, entry as logprob_entry
+from worker.engine.logprobs import TokenText, entry as logprob_entry, prompt_echo
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner
@@ -222,8 +222,9 @@ class Engine:
         for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias or ())):
             if any(i >= self._logits_width for i in ids):
                 raise EngineRejected(ErrorCode.INVALID_REQUEST, f"{name}: token id outside the vocabulary", param=name)
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
-            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
+        for k in (p.logprobs, p.prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
@@ -254,8 +255,12 @@ class Engine:
                        cache_root=self._cache_root, cache_salt=salt, grammar=matcher,
                        salt_at=self._shared.salted_from(req.prompt_ids, self.config.kv_block_size) if salt else 0)
         self._arrivals += 1
-        if seq.top_logprobs >= 0:
-            seq.text_offset = self._token_text.length(req.generated_ids)
+        if not req.generated_ids and not req.skip_tokens:   # nothing delivered yet: the prompt goes first
+            seq.echo = p.echo
+            seq.prompt_lp_k = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        if seq.top_logprobs >= 0:   # with echo, offsets count from the echoed prompt's start (vLLM's)
+            seq.text_offset = self._token_text.length(req.generated_ids) + \
+                (self._token_text.length(req.prompt_ids) if p.echo else 0)
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
         self._by_rid[req.rid] = seq
@@ -350,6 +355,8 @@ class Engine:
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
         logprobs = self.runner.last_logprobs
+        for seq, rows in self.runner.last_prompt_rows or ():
+            seq.prompt_rows.extend(rows)
         for i, (seq, token) in enumerate(zip(plan.sampled, tokens)):
             if seq.finished:
                 continue
@@ -357,6 +364,8 @@ class Engine:
                 out = self._on_token(seq, token, now_ms)
                 if logprobs is not None and logprobs[i] is not None:
                     self._add_logprobs(seq, token, logprobs[i], out)
+                if (seq.echo or seq.prompt_lp_k >= 0) and out is not None and out.token_ids:
+                    out.prompt = prompt_echo(seq, self._token_text, self.tokenizer)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
