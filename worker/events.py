@@ -79,6 +79,7 @@ class InFlight:
     given_up: bool = False
     fenced: bool = False                 # another worker took it over: write nothing more
     ttl_set: bool = False                # this run has set the history stream's TTL
+    acked: bool = False                  # its request entry is acked (by the history script with its final)
     dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
     worker: str = ""                     # this worker's id, named in the final event
 
