@@ -385,8 +385,9 @@ def main() -> None:
 
     columns = ["mode", "streams", "step_ms", "tok_per_s", "target_tok_per_s", "gw_cores", "redis_cmd_per_tok",
                "frames_per_s", "tok_per_frame", "gap_p50_ms", "gap_p95_ms", "gap_p99_ms", "errors"]
-    print()
-    print(table(rows, columns))
+    if rows:
+        print()
+        print(table(rows, columns))
     if ttft_rows:
         print()
         print(table(ttft_rows, ["mode", "requests", "submit_p50_ms", "deliver_p50_ms", "deliver_p95_ms", "hop_p50_ms",

@@ -23,6 +23,7 @@ the leases of requests it serves.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Awaitable, Callable
@@ -88,7 +89,7 @@ class RequestTable:
         self._by_id[cid] = req
         self.metrics.active_requests.inc()
         # subscribe before the request is queued (or attached), so no live event can be missed
-        req.sub = self.reader.subscribe(rid, lambda ev: self.on_event(req, ev), lambda: self._taken_over(req))
+        req.sub = self.reader.subscribe(rid, functools.partial(self.on_event, req), lambda: self._taken_over(req))
         return req
 
     def drop(self, req: RequestState) -> None:
