@@ -27,5 +27,6 @@ class WakeEvent(asyncio.Event):
         self.on_set()
 
     def needed(self, at: float | None) -> bool:
-        """Whether a buffer due at `at` (None: nothing buffered) needs the sender woken now."""
-        return at is not None and at < self.until
+        """Whether a buffer due at `at` (None: nothing buffered) needs the sender woken now (not
+        when it is woken already: a busy gateway then sets it once per pass, not per event)."""
+        return at is not None and at < self.until and not self.is_set()
