@@ -36,7 +36,7 @@ from shared.logs import rid_of
 from shared.protocol import MIN_ANONYMOUS_IDEMPOTENCY_CHARS, Generate
 from shared.sampling import SamplingParams
 from shared.streams import RequestEntry
-from shared.structured import grammar_for
+from shared.structured import grammar_for, tool_mode
 
 
 log = logging.getLogger("gateway.requests")
@@ -122,7 +122,8 @@ class RequestStarter:
         release = self.bookkeeper.take_releases(key_id)
         try:
             # rate limit + concurrency lease + queue: one round trip
-            first = await self.submitter.submit(entry, release=release, idem=idem)
+            first = await self.submitter.submit(entry, release=release, idem=idem,
+                                                tool_mode=tool_mode(msg.tools, msg.tool_choice))
         except ProtocolError as exc:
             requests.drop(req)
             exc.request_id = cid

@@ -22,11 +22,14 @@ from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.resume import Resumer
 from gateway.sessions import Sessions
+from gateway.stream_join import StreamJoin
 from gateway.submit import Submitter
 from gateway.writer import SHUTDOWN_REASON
 from shared.errors import ErrorCode, ProtocolError
+from shared.events import TokEvent
 from shared.logs import rid_of
 from shared.protocol import Generate, Resume
+from shared.streams import META_TOOLS
 
 log = logging.getLogger("gateway.requests")
 
@@ -111,3 +114,25 @@ class RequestCore:
             requests.end_cancelled(req)
         else:
             requests.start_cancel_fallback(req)
+
+    async def tool_reading(self, rid: str, seq: int) -> tuple[str | None, str]:
+        """How rid's answer is read for tool calls (None: plain text) and, when it is, its text
+        through token `seq`: what a client resuming after `seq` has read already."""
+        mode = (await self.submitter.lookup(rid) or {}).get(META_TOOLS)
+        return (mode, await self.text_through(rid, seq)) if mode else (None, "")
+
+    async def text_through(self, rid: str, seq: int) -> str:
+        """The answer's text through token `seq`, as its history holds it: what a client resuming
+        after `seq` has read already (its tool-call parser is rebuilt from it, gateway.openai)."""
+        parts: list[str] = []
+        for ev in StreamJoin(0, rid=rid).history(await self.submitter.read_history(rid, 0)):
+            if not isinstance(ev, TokEvent) or ev.seq - len(ev.ids) >= seq:
+                break
+            if ev.seq <= seq:
+                parts.append(ev.text)
+                continue
+            rest = ev.tail(seq)           # the event the resume point falls in: its head
+            if rest is not None:
+                parts.append(ev.text[:len(ev.text) - len(rest.text)])
+            break
+        return "".join(parts)

@@ -28,8 +28,8 @@ from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.events import HISTORY_TYPES, HistoryEvent, decode_event
-from shared.streams import (ENTRY_FIELD, META_ATT, META_BG, META_GW, META_KEY, META_OWNER, Keys, RequestEntry, as_str,
-                            encode_attach, encode_cancel)
+from shared.streams import (ENTRY_FIELD, META_ATT, META_BG, META_GW, META_KEY, META_OWNER, META_TOOLS, Keys,
+                            RequestEntry, as_str, encode_attach, encode_cancel)
 
 log = logging.getLogger("gateway.submit")
 
@@ -94,12 +94,14 @@ class Submitter:
 
     # ------------------------------------------------------------------ submit
 
-    async def submit(self, entry: RequestEntry, *, release: list[str] = (), idem: str | None = None) -> str | None:
+    async def submit(self, entry: RequestEntry, *, release: list[str] = (), idem: str | None = None,
+                     tool_mode: str | None = None) -> str | None:
         """Rate limit + concurrency lease + XADD in one round trip; ProtocolError when refused.
         `release`: leases of the same key that ended here and are not yet released (the
         bookkeeper's queue), released first in the same round trip. `idem`: the request's
         idempotency key (Redis key, `Keys.idem`): when it already started a request, nothing is
-        queued and that request's rid is returned (None otherwise)."""
+        queued and that request's rid is returned (None otherwise). `tool_mode`: how its answer is
+        read for tool calls (kept in its meta for a resume)."""
         key_id, rid = entry.key_id, entry.rid
         minute = int(self.clock() // 60)
         lua_keys = [self.keys.rate(key_id, minute), self.keys.conc(key_id), self.keys.requests]
@@ -116,7 +118,10 @@ class Submitter:
                 # execute_command: redis-py's cluster pipeline refuses its evalsha() helper, but
                 # routes a raw EVALSHA by its keys like any other command
                 pipe.execute_command("EVALSHA", self._sha, len(lua_keys), *lua_keys, *lua_args)
-                pipe.hset(self.keys.meta(rid), mapping={META_KEY: key_id, META_GW: self.gw_id})
+                meta = {META_KEY: key_id, META_GW: self.gw_id}
+                if tool_mode:
+                    meta[META_TOOLS] = tool_mode
+                pipe.hset(self.keys.meta(rid), mapping=meta)
                 pipe.expire(self.keys.meta(rid), self.ttl)
                 pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)
                 pipe.expire(self.keys.gw_reqs(self.gw_id), self.reqs_ttl_s)

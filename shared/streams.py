@@ -53,6 +53,8 @@ META_LEASE = "lease"    # ms on Redis's clock until which owner's claim holds (r
 META_EPOCH = "epoch"    # bumped by every worker that takes the request (first run = 1)
 META_ATT = "att"        # attach counter: bumped by every resume
 META_BG = "bg"          # "1": a background response (nobody need listen: never cancelled as an orphan)
+META_TOOLS = "tm"       # how a chat answer is read for tool calls (auto | forced; absent: plain text), so
+                        # a resume on any replica parses it as the first stream did
 
 
 @dataclass(frozen=True)

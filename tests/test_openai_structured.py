@@ -256,6 +256,54 @@ async def test_raw_sse_tool_call_deltas(gw):
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def tool_parts(events: list[tuple[int | None, dict]]) -> tuple[str, dict[int, dict], list[str]]:
+    """Content, tool calls by index (id, name, arguments joined from the deltas), finish reasons."""
+    content, calls, finish = "", {}, []
+    for _, e in events:
+        for ch in e.get("choices", []):
+            content += ch["delta"].get("content") or ""
+            for tc in ch["delta"].get("tool_calls", []):
+                call = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+                for field in ("id", "name"):
+                    got = tc.get(field) or tc["function"].get(field)
+                    if got:
+                        assert call[field] is None, ("sent twice", tc)
+                        call[field] = got
+                call["arguments"] += tc["function"].get("arguments") or ""
+            if ch.get("finish_reason"):
+                finish.append(ch["finish_reason"])
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+async def test_tool_call_deltas_resume_exactly_at_every_event(redis_server, tool_stack, choice):
+    """`GET /v1/streams/{id}` with `Last-Event-ID` after any event of a tool-calling answer goes on
+    with the same call ids, no repeated head, and the arguments' rest (issue 34 item 1): what the
+    client had plus what the resume sends is the uninterrupted stream, on another gateway too."""
+    import httpx
+    body = {"model": MODEL, "messages": CHAT, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 60,
+            "temperature": 1.0, "seed": 7, "stream": True, "resumable": True}
+    settings = gateway_settings(redis_server.url, tool_stack, resume_rate_per_min=0, resume_grace_s=30)
+    async with gateway_in_process(settings) as gw, gateway_in_process(settings) as other:
+        async with httpx.AsyncClient(timeout=60) as http:
+            resp = await http.post(gw.base + "/v1/chat/completions", json=body)
+            ref = [(eid, json.loads(d)) for eid, d in sse_events(resp.text.split("\n")) if d != "[DONE]"]
+            full = tool_parts(ref)
+            if choice == "required":
+                assert full[1] and full[2] == ["tool_calls"], full
+            oai_id = ref[0][1]["id"]
+            points = sorted({0} | {eid for eid, _ in ref if eid is not None})
+            for k, base in ((k, (gw, other)[i % 2].base) for i, k in enumerate(points)):
+                got = await http.get(base + f"/v1/streams/{oai_id}", headers={"Last-Event-ID": str(k)})
+                assert got.status_code == 200, (k, got.text)
+                rest = [(eid, json.loads(d)) for eid, d in sse_events(got.text.split("\n")) if d != "[DONE]"]
+                assert not any("error" in e for _, e in rest), (k, rest)
+                # all finals carry the last token's id: a client that saw the finish chunk is done
+                before = [(eid, e) for eid, e in ref if eid is not None and eid <= k
+                          and not any(ch.get("finish_reason") for ch in e.get("choices", []))]
+                assert tool_parts(before + rest) == full, k
+
+
 # ---------------------------------------------------------------- LangChain
 
 async def test_langchain_bind_tools(gw):

@@ -84,7 +84,7 @@ class LineRunner:
         except (RedisError, OSError):
             return False
         out = OpenAIResponse(_discard, oai_id=req.client_id, model=self.model, stream=False, include_usage=False,
-                             role_chunk=False, tools=structured.parser_for(body))
+                             role_chunk=False, tools=structured.parser_for(body, req.rid))
         ended = asyncio.ensure_future(out.ended.wait())
         cancel = asyncio.ensure_future(cancelled.wait())
         try:

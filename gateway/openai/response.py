@@ -153,11 +153,11 @@ class OpenAIResponse:
         if error is not None:
             await self._event(error.body(), done.seq, commit=True)
         else:
-            if self.tools is not None:
-                rest = structured.delta(*self.tools.finish())
-                if rest:
-                    await self._event(self._chunk(None, None, delta=rest), done.seq, commit=True)
-            last = self._chunk(None, structured.finish_reason(self.tools, done.finish_reason))
+            # what the tool-call parser held back rides in the finish chunk: all of an answer's
+            # finals share the last token's id, so a client resuming there must not miss or
+            # repeat a delta that came before the finish in an event of its own
+            rest = structured.delta(*self.tools.finish()) if self.tools is not None else None
+            last = self._chunk(None, structured.finish_reason(self.tools, done.finish_reason), delta=rest or None)
             if self.prompt_tokens is not None:
                 last["usage"] = usage_of(done)
             await self._event(last, done.seq, commit=True)

@@ -74,7 +74,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     stream_options = body.stream_options or {}
     return RunRequest(session, req, front.core, model=model, stream=body.stream,
                       include_usage=bool(stream_options.get("include_usage")), resumable=body.resumable,
-                      tools=structured.parser_for(body),
+                      tools=structured.parser_for(body, req.rid),
                       continuous_usage=bool(stream_options.get("continuous_usage_stats")))
 
 
@@ -105,6 +105,9 @@ async def resume_stream(request: Request) -> Response:
             raise APIError.from_code(ErrorCode.RESUME_EXPIRED, f"no retained output for {oai_id!r}") from None
         session = front.http_session()
         try:
+            # an answer read for tool calls: its parser picks up where the client's left off
+            tools = structured.resumed_parser(*await front.core.tool_reading(msg.request_id, msg.last_seq),
+                                              msg.request_id)
             req = await front.core.resume(session.requests, key_id, msg, accept=lambda r: None)   # by RunRequest
         except ProtocolError as exc:
             raise APIError.from_code(exc.code, exc.message) from None
@@ -114,7 +117,7 @@ async def resume_stream(request: Request) -> Response:
         return exc.response()
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
     return RunRequest(session, req, front.core, model=front.settings.served_model_name, stream=True,
-                      include_usage=include_usage, resumable=True)
+                      include_usage=include_usage, resumable=True, tools=tools)
 
 
 def _model_object(front: HttpFront) -> dict:

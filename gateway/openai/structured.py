@@ -9,6 +9,7 @@ it, carried by the worker's `err` event: shared.events.ErrEvent).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 from pydantic import ValidationError
@@ -84,10 +85,21 @@ def tool_fields(message: dict, role: str, calls: list | None, i: int, error: Cal
     return out
 
 
-def parser_for(body) -> ToolCallParser | None:
-    """A parser for the answer, when the request has tools to call."""
-    mode = tool_mode(getattr(body, "tools", None), getattr(body, "tool_choice", None))
-    return ToolCallParser(mode) if mode is not None else None
+def parser_for(body, rid: str) -> ToolCallParser | None:
+    """A parser for the answer of request `rid`, when it has tools to call."""
+    return resumed_parser(tool_mode(getattr(body, "tools", None), getattr(body, "tool_choice", None)), "", rid)
+
+
+def resumed_parser(mode: str | None, read: str, rid: str) -> ToolCallParser | None:
+    """A parser in `mode` that has read `read`, the text a resuming client already has: what it
+    sends from then on continues that client's deltas. Call ids derive from the request id, so
+    a re-attach or a resume on any replica names each call as the first stream did."""
+    if mode is None:
+        return None
+    parser = ToolCallParser(mode, call_id=lambda i: "call_" + hashlib.sha256(f"{rid}/{i}".encode()).hexdigest()[:24])
+    if read:
+        parser.feed(read)
+    return parser
 
 
 def delta(content: str, calls: list[dict]) -> dict:
