@@ -19,6 +19,9 @@ submit + deliver (the rest of TTFT is the worker's intake and prefill).
 
     .venv/bin/python bench/fanout.py                               # the full matrix (~10 min)
     .venv/bin/python bench/fanout.py --streams 256 --steps 5 --seconds 5 --modes v2,v1
+    # this tree against another checkout, alternating: cells, then the TTFT hop three times each
+    .venv/bin/python bench/fanout.py --streams 256 --steps 5 --modes base,v2,base,v2 --baseline-root /tmp/base \
+        --ttft-modes base,v2 --ttft-rounds 3
 """
 
 from __future__ import annotations
@@ -189,8 +192,9 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
             workers_key = f"{prefix}:workers"
         else:
             flush = 0 if mode == "v2-flush0" else args.flush_ms
+            wtree = args.baseline_root if mode == "v2-gw" else tree     # v2-gw: this gateway, the base worker
             src = popen([sys.executable, "-m", "worker.synthetic", "--step-ms", str(step_ms), "--max-batch",
-                         str(streams + 64)], tree, base_env(tree, redis_url, prefix, {"WORKER_FLUSH_MS": flush}),
+                         str(streams + 64)], wtree, base_env(wtree, redis_url, prefix, {"WORKER_FLUSH_MS": flush}),
                         work / f"src-{prefix}.log")
             workers_key = f"{prefix}:{{reg}}:workers"
         procs.append(src)
@@ -199,9 +203,9 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
         largest = streams == max(int(x) for x in args.streams.split(",") if x)
         gw_env = gateway_env({"GATEWAY_PORT": port})
         run_gw = ["-m", "gateway"]
-        if args.profile and mode == "v2" and largest:
+        if args.profile and mode in ("v2", "base") and largest:
             run_gw = ["-c", PROFILED_GATEWAY]
-            gw_env["GW_PROFILE_OUT"] = str(Path(args.profile).with_suffix(f".{streams}x{step_ms:g}ms.prof"))
+            gw_env["GW_PROFILE_OUT"] = f"{args.profile}.{mode}.{streams}x{step_ms:g}ms.{prefix}.prof"
         gw = popen([sys.executable, *run_gw], tree, base_env(tree, redis_url, prefix, gw_env), gw_log)
         procs.append(gw)
         wait_ready(port, gw, gw_log)
@@ -327,7 +331,8 @@ def main() -> None:
     ap.add_argument("--streams", default="256,1000,2000")
     ap.add_argument("--steps", default="5,2", help="ms per decode step")
     ap.add_argument("--modes", default="v2,v2-flush0,v1",
-                    help="v2 (WORKER_FLUSH_MS=--flush-ms), v2-flush0, v1, base (--baseline-root's tree, like v2)")
+                    help="v2 (WORKER_FLUSH_MS=--flush-ms), v2-flush0, v1, base (--baseline-root's tree, like v2), "
+                         "v2-gw (this gateway fed by the base tree's worker: the gateway alone against base)")
     ap.add_argument("--flush-ms", type=int, default=15)
     ap.add_argument("--seconds", type=float, default=6.0, help="how long each stream runs (tokens = seconds/step)")
     ap.add_argument("--clients", type=int, default=4, help="client processes")
@@ -339,8 +344,8 @@ def main() -> None:
                     help="another checkout (e.g. `git archive main | tar -x -C /tmp/base`) for the `base` mode")
     ap.add_argument("--py-spy", default="", help="record a py-spy profile (collapsed stacks) of the v2 gateway "
                                                  "in the largest cell to this path prefix")
-    ap.add_argument("--profile", default="", help="run the v2 gateway of the largest cell under cProfile, "
-                                                  "writing <path>.<streams>x<step>ms.prof")
+    ap.add_argument("--profile", default="", help="run the v2 (and base) gateway of the largest cell under "
+                                                  "cProfile, timed by CPU time: <path>.<mode>.<cell>.<prefix>.prof")
     ap.add_argument("--client", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
