@@ -41,7 +41,9 @@ PHASES = ("first", "mid", "final")
 
 
 def counting_client(url: str):
-    """A writer's client (as worker.redis_io makes it) whose connections count their sends."""
+    """A writer's client (as worker.redis_io makes it: hiredis packing, no reply timeout) whose
+    connections count what they put on the wire: one send per round trip (a pipeline is one);
+    tests/test_worker_output_writer.py counts with it too."""
     from shared.redis_client import connect
     client = connect(url, socket_timeout=None)
     sends: list = []

@@ -21,6 +21,7 @@ from worker.events import InFlight, Progress
 from worker import output_writer
 from worker.output_writer import MAX_WRITE_FAILURES, OutputWriter
 from worker.redis_io import TRANSIENT
+from bench.hop import counting_client
 from tests.gateway_client import eventually
 from tests.worker_redis import check_seqs, read_events
 
@@ -65,22 +66,6 @@ async def test_commit_is_idempotent_live_follows_history_and_the_final_acks(redi
     assert await redis_client.zscore(keys.conc("k"), "r1") is None
     assert await redis_client.hget(keys.meta("r1"), "owner") is None
     assert 0 < await redis_client.ttl(keys.out("r1")) <= 600
-
-
-def counting_client(url: str):
-    """The writer's real client (hiredis packing, no reply timeout) whose connections count what
-    they put on the wire: one send per round trip (a pipeline is one send)."""
-    client = connect(url, socket_timeout=None)
-    sends: list = []
-    base = client.connection_pool.connection_class
-
-    class Counting(base):
-        async def send_packed_command(self, command, check_health=True):
-            sends.append(command)
-            return await super().send_packed_command(command, check_health)
-
-    client.connection_pool.connection_class = Counting
-    return client, sends
 
 
 async def test_on_one_redis_a_commit_is_one_round_trip_with_live_lease_and_ack(redis_server, stream_prefix):
