@@ -118,6 +118,9 @@ async def test_a_marker_alone_rides_the_commit_unless_its_request_is_fenced(redi
     assert [(e["k"], e["rid"], e["seq"], e["att"]) for e in inbox] == [("att", "held", 3, 4)]
     assert dropped == [moved] and moved.fenced and not held.fenced
     assert held.marker_att is None
+    held.add_output(tok("held", 4))             # its first write after the marker still sets the TTL
+    await writer.commit([held])
+    assert held.written_seq == 4 and 0 < await redis_client.ttl(keys.out("held")) <= 600
 
 
 async def test_refused_writes_keep_outputs_then_end_typed_once_redis_accepts_them():

@@ -150,7 +150,7 @@ def fused_call(keys: Keys, s: Settings, worker_id: str, call: list, markers: dic
         per_request += (gws.setdefault(st.gw, len(gws) + 1) if st.gw else 0, markers.get(st.rid, b""),
                         st.entry_id if final and not st.dead_letter else "",
                         concs.setdefault(st.key_id, len(concs) + 1) if final and st.key_id else 0, st.rid,
-                        st.epoch, int(final), int(not st.ttl_set), len(frozen))
+                        st.epoch, int(final), int(bool(frozen) and not st.ttl_set), len(frozen))
         for f in frozen:
             per_request += (f.entry_id, f.payload)
     per_gw: list = []

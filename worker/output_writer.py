@@ -238,11 +238,11 @@ class OutputWriter:
                 reply, refused = reply
                 for err in refused:
                     log.warning("inbox write refused: %s", as_str(err))
-            for (st, _frozen), r in zip(call, reply):
+            for (st, frozen), r in zip(call, reply):
                 if isinstance(r, bytes):
                     results.append(ResponseError(r.decode(errors="replace")))
                 else:
-                    st.ttl_set = True
+                    st.ttl_set = st.ttl_set or bool(frozen)    # (a marker alone wrote no history to expire)
                     results.append(r)
         return results
 
