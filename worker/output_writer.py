@@ -83,7 +83,12 @@ MAX_WRITE_FAILURES = 8           # refused writes (with backoff, ~5 s) before a 
 INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
 ROUND_TRIP_TIMEOUT_S = 10.0      # one commit round trip (its client has no per-reply timeout)
 
-HISTORY_BATCH = 128              # requests per history script call (bounds how long one call holds Redis)
+# requests per history script call on a single Redis. Each call writes one inbox entry per gateway,
+# and a gateway's blocked XREAD is answered after the first call, so a flush split over calls
+# reaches a gateway as that many reads and wake-ups (at 256 streams, one call of 256 instead of
+# two of 128 cost the gateway 0.83x the CPU per token: bench/RESULTS.md). A call holds Redis
+# ~10-13 µs a request (~3.5 ms at 256); the calls of one pipeline run back to back anyway.
+HISTORY_BATCH = 512
 
 def fenced(exc: Exception) -> bool:
     """The history script refused: the request's epoch moved on (another worker owns it)."""
