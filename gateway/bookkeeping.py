@@ -122,7 +122,7 @@ class Bookkeeper:
             if self.grace_s > 0:
                 await self.submitter.park_orphans(batch, self.grace_s)
             else:
-                cancelled = [rid for rid, _ in batch if await self.submitter.cancel_orphan(rid)]
+                cancelled = [rid for rid, att in batch if await self.submitter.cancel_orphan(rid, att)]
                 self.on_cancelled(len(cancelled))
             for _ in batch:
                 self._orphans.popleft()

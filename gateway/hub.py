@@ -55,6 +55,7 @@ from gateway.ws.dispatch import MessageHandler
 from gateway.ws.endpoint import WebSocketFront
 from gateway.ws.socket import FrameSocket
 from gateway.ws.socket_caps import SocketCaps, SocketClaim
+from gateway.ws.tool_frames import ToolFrames
 from shared.backlog import read_backlog
 from shared.redis_client import connect
 from shared.streams import Keys
@@ -120,9 +121,10 @@ class Hub:
                                 sessions=self.sessions, metrics=self.metrics)
         files = FileStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
         batches = BatchStore(self.redis, self.keys, ttl_s=s.batch_file_ttl_s)
+        responses = ResponseStore(self.redis, self.keys, self.submitter, s.responses_ttl_s)
         self.batch_runner = BatchRunner(
             self.redis, s, gw_id=self.gw_id, gateways_key=self.keys.gateways, store=batches, files=files,
-            lines=LineRunner(self.core, self.http_session, batches, s.served_model_name),
+            lines=LineRunner(self.core, self.http_session, batches, s.served_model_name, responses),
             draining=lambda: self.sessions.draining)
         self.housekeeping = Housekeeping(gateway_duties(
             s, sessions=self.sessions, cancel_watch=self.cancel_watch, submitter=self.submitter,
@@ -134,7 +136,7 @@ class Hub:
         self.http = HttpFront(core=self.core, key_checker=self.key_checker, settings=s, metrics=self.metrics,
                               http_session=self.http_session,
                               ask_worker=WorkerAsk(self.reader, self.router, self.submitter, self.gw_id),
-                              responses=ResponseStore(self.redis, self.keys, self.submitter, s.responses_ttl_s),
+                              responses=responses,
 
                               files=files, batches=batches)
         self.probe = GatewayProbe(sessions=self.sessions, metrics=self.metrics, reader=self.reader,
@@ -194,6 +196,7 @@ class Hub:
         wake = WakeEvent()       # set whenever the sender has something to do
         requests = self.request_table(wake)
         sender = Sender(socket, requests, wake, self.settings, self.metrics)
+        socket.tools = ToolFrames(self.core.text_through)
         handler = MessageHandler(socket, sender, requests, settings=self.settings, metrics=self.metrics,
                                  key_checker=self.key_checker, core=self.core, key_id=key_id, claim=claim)
         return Connection(socket, requests, sender, handler, self.sessions, self.metrics)

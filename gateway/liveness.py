@@ -100,8 +100,8 @@ class Liveness:
         if self.grace_s > 0:
             await self.submitter.park_orphans(orphans, self.grace_s)
         else:
-            for rid, _ in orphans:
-                await self.submitter.cancel_orphan(rid)
+            for rid, att in orphans:
+                await self.submitter.cancel_orphan(rid, att)
         await self._forget_gateway(gw)
         return len(orphans)
 

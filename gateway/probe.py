@@ -5,7 +5,8 @@ WebSocket protocol, the HTTP API, `/metrics`) and, where those cannot show or pr
 something, through this object only, never through the gateway's parts: counts of open
 sessions, requests and subscriptions; the Prometheus samples `/metrics` renders; `drain()`
 (what SIGTERM starts); the worker snapshot routing uses; and fault injection (a submit
-interceptor, a failing send, dropped connections, the rate limit's clock). The composition root
+interceptor, an orphan-sweep interceptor, a failing send, dropped connections, the rate limit's
+clock). The composition root
 (gateway.hub) builds it; `app.state.probe` holds it and tests/stack_fixtures.py exposes it as
 `InProcessGateway.probe`.
 """
@@ -23,6 +24,7 @@ from gateway.submit import Submitter
 from gateway.ws.socket_caps import SocketCaps
 
 SubmitFn = Callable[..., Awaitable[str | None]]
+OrphanCancelFn = Callable[..., Awaitable[bool]]
 
 
 class GatewayProbe:
@@ -86,6 +88,12 @@ class GatewayProbe:
     def intercept_submit(self, wrap: Callable[[SubmitFn], SubmitFn]) -> None:
         """Replace the submit round trip by `wrap(the real one)` (a slow reply, a gateway that dies)."""
         self._submitter.submit = wrap(self._submitter.submit)
+
+    def intercept_orphan_cancel(self, wrap: Callable[[OrphanCancelFn], OrphanCancelFn]) -> None:
+        """Replace the orphan sweep's cancel of one due orphan (`cancel_orphan(rid, att)`: the
+        check that nobody resumed it and the cancel, one script) by `wrap(the real one)`: hold
+        the sweep at the moment it decides (a resume landing just before or just after it)."""
+        self._submitter.cancel_orphan = wrap(self._submitter.cancel_orphan)
 
     def set_rate_clock(self, clock: Callable[[], float]) -> None:
         """The wall clock whose minute is the per-key rate limit's window."""

@@ -20,7 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.new_request import AlreadyStarted, RequestStarter
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
-from gateway.resume import Resumer
+from gateway.resume import OrphanCancelled, Resumer
 from gateway.sessions import Sessions
 from gateway.stream_join import StreamJoin
 from gateway.submit import Submitter
@@ -34,6 +34,7 @@ from shared.streams import META_TOOLS
 log = logging.getLogger("gateway.requests")
 
 Accept = Callable[[RequestState], None]
+RESTARTS = 3        # an idempotent re-send starting its orphan-cancelled request again, at most this often
 
 
 class RequestCore:
@@ -55,19 +56,35 @@ class RequestCore:
         """A new request in `requests`; or, when `msg`'s idempotency key already started one (a
         client that re-sent its generate), that request, re-attached from its first token as
         `attach_as(its rid)` (default: `msg.id`). `accept` tells the client (transport-specific).
-        `rid`: the server id to use for a new request (the HTTP API names its response after it)."""
-        try:
-            req = await self.starter.start(requests, key_id, msg, rid=rid)
-        except AlreadyStarted as first:
-            running = next((r.client_id for r in requests.values() if r.rid == first.rid), None)
-            if running is not None:
-                raise ProtocolError(ErrorCode.DUPLICATE_ID, f"idempotency_key already names request {running!r} "
-                                                            "on this socket", msg.id) from None
-            client_id = attach_as(first.rid) if attach_as is not None else msg.id
-            return await self.resumer.reattach(requests, key_id, Resume(id=client_id, last_seq=0,
-                                                                        request_id=first.rid), accept)
-        accept(req)
-        return req
+        `rid`: the server id to use for a new request (the HTTP API names its response after it).
+        A re-send whose request an orphan sweep cancelled before it could attach (the client's
+        socket dropped before `accepted`, and the resume grace ran out) starts it again instead,
+        under the same key (the orphan's slot released): the client never saw any of it."""
+        replaces = ""
+        for _ in range(RESTARTS):
+            try:
+                req = await self.starter.start(requests, key_id, msg, rid=rid, replaces=replaces)
+            except AlreadyStarted as first:
+                running = next((r.client_id for r in requests.values() if r.rid == first.rid), None)
+                if running is not None:
+                    raise ProtocolError(ErrorCode.DUPLICATE_ID, f"idempotency_key already names request "
+                                                                f"{running!r} on this socket", msg.id) from None
+                client_id = attach_as(first.rid) if attach_as is not None else msg.id
+                try:
+                    return await self.resumer.reattach(requests, key_id, Resume(id=client_id, last_seq=0,
+                                                                                request_id=first.rid), accept,
+                                                       restart_orphan=True)
+                except OrphanCancelled as gone:
+                    # an orphan sweep cancelled it before we attached (its client never saw it):
+                    # start it again under the same key instead of attaching to a cancelled request
+                    log.info("request %s was cancelled as an orphan before its re-send attached; starting it "
+                             "again", gone.rid, extra=rid_of(gone.rid))
+                    replaces = gone.rid
+                    continue
+            accept(req)
+            return req
+        raise ProtocolError(ErrorCode.BACKEND_UNAVAILABLE, "the request kept being cancelled as an orphan while it "
+                                                           "was started again; send it again", msg.id)
 
     async def resume(self, requests: RequestTable, key_id: str, msg: Resume, *, accept: Accept,
                      check: Callable[[], None] = lambda: None) -> RequestState:

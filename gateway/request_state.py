@@ -58,7 +58,7 @@ class RequestState:
     __slots__ = ("client_id", "rid", "key_id", "buffer", "sub", "join", "seq", "phase", "started",
                  "first_sent", "last_sent", "att", "cancel_timer", "resumed",
                  "attach_timer", "progress_at", "stale_seen", "meaningful_at",
-                 "cancel_origin", "cancel_at", "cancel_ms", "prompt_tokens")
+                 "cancel_origin", "cancel_at", "cancel_ms", "prompt_tokens", "tool_mode")
 
     def __init__(self, client_id: str, rid: str, key_id: str, buffer: ChunkBuffer, *, skip_seq: int = 0,
                  resumed: bool = False):
@@ -85,6 +85,7 @@ class RequestState:
         self.cancel_origin: str | None = None      # the client cancelled it: client | http_disconnect
         self.cancel_at: float | None = None        # when this gateway received that cancel (monotonic)
         self.cancel_ms: float | None = None        # cancel -> the worker's cancelled final here (request_log)
+        self.tool_mode: str | None = None          # resumed: its meta's tool mode (gateway.ws.tool_frames)
 
     # ---- the phase ----------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from gateway.request_state import Phase, RequestState
 from gateway.settings import GatewaySettings
 from gateway.wake import WakeEvent
 from shared.errors import ErrorCode
-from shared.events import AttachMarker, DoneEvent, ErrEvent, Event, HistoryEvent, TokEvent
+from shared.events import AttachMarker, DoneEvent, ErrEvent, Event, HistoryEvent, Moved, TokEvent
 from shared.protocol import Done
 from shared.logs import rid_of
 
@@ -108,9 +108,11 @@ class RequestTable:
         log_finished(req, req.final, now)
         log.debug("request %s done on this gateway (%s): %s, seq %d", req.rid, req.client_id, done.finish_reason,
                   done.seq, extra=rid_of(req.rid))
+        moved = req.moved       # it runs on, for another session: its slot and `reqs` entry are that one's
         self._detach(req)
         self._by_id.pop(req.client_id, None)
-        self.bookkeeper.request_ended(req.key_id, req.rid)
+        if not moved:
+            self.bookkeeper.request_ended(req.key_id, req.rid)
         return done
 
     def release_all(self) -> None:
@@ -158,8 +160,9 @@ class RequestTable:
             self._wake.set()
 
     def _taken_over(self, req: RequestState) -> None:
-        """Another session of this gateway resumed the request (or sent its idempotency key
-        again): it streams there now; end it here, typed, rather than leave it silent."""
+        """Another session resumed the request (or sent its idempotency key again), of this
+        gateway (its inbox subscription replaced ours) or of another one (its `moved` notice came
+        through our inbox): it streams there now; end it here, typed, rather than leave it silent."""
         if not req.finished and req.join.end_here(ErrEvent.here(
                 req.rid, req.join.delivered, ErrorCode.RESUMED_ELSEWHERE,
                 "another connection resumed this request; it streams there now")):
@@ -186,11 +189,19 @@ class RequestTable:
         """A live event from the inbox (never awaits)."""
         if req.phase is Phase.ENDED:
             return
-        req.progress_at = now = time.monotonic()
         if isinstance(ev, (TokEvent, DoneEvent, ErrEvent)):
+            req.progress_at = now = time.monotonic()
             self._deliver(req, req.join.live(ev), now)
-        elif isinstance(ev, AttachMarker):
-            if ev.att >= req.att:
+        elif isinstance(ev, Moved):
+            # a resume newer than ours, on another gateway (while our own attach is in flight we
+            # do not know our att yet, and an older notice must not end us: ignored then)
+            if ev.att > req.att and req.sub is not None and req.phase is not Phase.OPENING:
+                self.reader.unsubscribe(req.sub)             # (req.moved from now on)
+                self._taken_over(req)
+            return
+        else:
+            req.progress_at = time.monotonic()
+            if isinstance(ev, AttachMarker) and ev.att >= req.att:
                 req.join.marker()         # everything before this marker is in the history
         if req.join.wants_read:
             self._read_if_wanted(req)
@@ -216,7 +227,7 @@ class RequestTable:
             if type(ev) is TokEvent:
                 if ev.prompt_tokens:
                     req.prompt_tokens = ev.prompt_tokens
-                buffer.add(ev.text, len(ev.ids), ev.seq, now, ev.logprobs)
+                buffer.add(ev.text, len(ev.ids), ev.seq, now, ev.logprobs, ev.prompt)
         final = join.final
         if final is not None:
             if req.cancel_at is not None:

@@ -38,12 +38,20 @@ from gateway.requests import RequestTable
 from gateway.submit import Submitter
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Resume
-from shared.streams import META_KEY
+from shared.streams import META_KEY, META_TOOLS
 from shared.logs import rid_of
 
 log = logging.getLogger("gateway.resume")
 
 ATTACH_RETRY_S = 1.0
+
+
+class OrphanCancelled(Exception):
+    """The request an idempotent re-send would attach to was cancelled as an orphan first."""
+
+    def __init__(self, rid: str):
+        super().__init__(rid)
+        self.rid = rid
 
 
 class ResumeBudget:
@@ -76,9 +84,11 @@ class Resumer:
         self.submitter = submitter
 
     async def reattach(self, requests: RequestTable, key_id: str, msg: Resume,
-                       accept: Callable[[RequestState], None]) -> RequestState:
+                       accept: Callable[[RequestState], None], *, restart_orphan: bool = False) -> RequestState:
         """Open `msg.id` in `requests` again and join its history after `msg.last_seq` with live
-        output; `accept` tells the client (transport-specific) before the history is fed."""
+        output; `accept` tells the client (transport-specific) before the history is fed.
+        `restart_orphan` (an idempotent re-send): raise `OrphanCancelled` instead when an orphan
+        sweep cancelled the request before this attach (its client never saw any of it)."""
         cid = msg.id
         rid = msg.request_id      # required by the schema: the 128-bit secret from `accepted`
         meta = await self.submitter.lookup(rid)
@@ -86,11 +96,16 @@ class Resumer:
             # the same answer whether the id is unknown or another key's: no hint that it exists
             raise ProtocolError(ErrorCode.RESUME_EXPIRED, f"no retained output for request {cid!r}", cid)
         req = requests.open(cid, rid, key_id, skip_seq=msg.last_seq, resumed=True)
+        req.tool_mode = meta.get(META_TOOLS) or None
         try:
-            req.att, owner, _ = await self.submitter.attach(rid)
+            attached = await self.submitter.attach(rid)
         except (RedisError, OSError):
             requests.drop(req)
             raise
+        if attached.orphaned and restart_orphan:
+            requests.drop(req)           # cancelled as an orphan before this attach: start it again
+            raise OrphanCancelled(rid)
+        req.att, owner = attached.att, attached.owner
         req.advance(Phase.STARTED)
         log.debug("request %s resumed here as %r after seq %d (owner %s)", rid, cid, msg.last_seq, owner or "none",
                   extra=rid_of(rid))

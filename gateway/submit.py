@@ -11,10 +11,17 @@
 * cancel: the worker owning a request (meta.owner) reads its own control stream between steps,
   so a cancel is routed there; the flag `p:{r:<rid>}:cancel` covers a request not yet taken.
 * attach (resume): meta.gw = this gateway and HINCRBY meta.att in one MULTI on slot {r:rid},
-  then an `attach` control to the owner, which answers with an `att` marker in our inbox.
+  then an `attach` control to the owner, which answers with an `att` marker in our inbox; when
+  the request was another gateway's, a `moved` notice into THAT gateway's inbox (only if it still
+  exists: NOMKSTREAM), so a socket of it still holding the request ends it `resumed_elsewhere`.
 * orphans: a socket that drops parks its unfinished requests as "rid|att" in `p:{reg}:orphans`
   with a deadline; whichever replica's sweeper pops one cancels it unless meta.att moved (a
-  resume happened meanwhile), so the grace works across replicas and survives the parker.
+  resume happened meanwhile), so the grace works across replicas and survives the parker. The
+  check and the cancel are ONE script on {r:rid} (`ORPHAN_CANCEL`), which also marks meta
+  `orph`: a resume's attach (one MULTI on the same slot) lands either before it (not cancelled)
+  or after it, and then sees the mark (an idempotent re-send restarts the request instead of
+  attaching to a cancelled one, gateway.request_core). Read-then-cancel in two steps cancelled
+  a request re-attached in between (issue 34).
 """
 
 from __future__ import annotations
@@ -22,22 +29,24 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.events import HISTORY_TYPES, HistoryEvent, decode_event
-from shared.streams import (ENTRY_FIELD, META_ATT, META_BG, META_GW, META_KEY, META_OWNER, META_TOOLS, Keys,
-                            RequestEntry, as_str, encode_attach, encode_cancel)
+from shared.events import HISTORY_TYPES, HistoryEvent, Moved, decode_event
+from shared.streams import (ENTRY_FIELD, INBOX_MAXLEN, META_ATT, META_BG, META_GW, META_KEY, META_ORPHANED, META_OWNER,
+                            META_TOOLS, Keys, RequestEntry, as_str, encode_attach, encode_cancel, pack_event_list)
 
 log = logging.getLogger("gateway.submit")
 
 CTL_MAXLEN = 10000
 
 # KEYS: rate, conc, requests[, idem]. ARGV: rate_per_min, concurrency, lease_ms, rid, entry, maxlen,
-# idem_ttl_s. Returns "ok", "rate_limited", "concurrency_limit", or "dup:<rid>" when the idempotency
-# key (KEYS[4]) already started request <rid>: then nothing is counted, leased or queued.
+# idem_ttl_s, replaces. Returns "ok", "rate_limited", "concurrency_limit", or "dup:<rid>" when the idempotency
+# key (KEYS[4]) already started request <rid>: then nothing is counted, leased or queued. `replaces` (or ''):
+# the request the key named, cancelled as an orphan: this one takes the key over (a re-send restarting it).
 SUBMIT_LUA = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -47,7 +56,7 @@ if KEYS[4] then
   local first = redis.call('GET', KEYS[4])
   if first then
     if first == ARGV[4] then return 'ok' end  -- our own submit, retried after a lost reply
-    return 'dup:' .. first
+    if first ~= ARGV[8] then return 'dup:' .. first end
   end
 end
 if rate > 0 then
@@ -67,6 +76,22 @@ return 'ok'
 """
 
 
+# KEYS: meta, cancel, out (slot {r:rid}). ARGV: att (the attach counter it was parked with; '' = any), ttl_s.
+# Cancels an orphan unless it is a background response, was resumed since it was parked (meta.att moved) or has
+# finished (its history ends with a final, id '...-1'): the cancel flag and meta.orph in one step. Returns the
+# owner to tell ('' = none) when cancelled, else false.
+ORPHAN_CANCEL = """
+local att, bg = unpack(redis.call('HMGET', KEYS[1], 'att', 'bg'))
+if bg then return false end
+if ARGV[1] ~= '' and tonumber(att or '0') ~= tonumber(ARGV[1]) then return false end
+local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+if #last > 0 and string.sub(last[1][1], -2) == '-1' then return false end
+redis.call('SET', KEYS[2], 1, 'EX', ARGV[2])
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'orph', 1) end
+return redis.call('HGET', KEYS[1], 'owner') or ''
+"""
+
+
 # KEYS: a worker's registry hash, its control stream (slot {w:id}). ARGV: entry, maxlen. XADDs
 # the entry only while the worker is registered, so no control stream is made again for a
 # worker that has left (deregistering deletes both keys in one DEL). Returns 1 if added, else 0.
@@ -75,6 +100,15 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'd', ARGV[1])
 return 1
 """
+
+
+@dataclass(frozen=True)
+class Attached:
+    """What a resume's attach found (`Submitter.attach`)."""
+    att: int                  # meta.att after this attach
+    owner: str | None         # the worker running it (None: queued or finished)
+    old_gw: str | None        # the gateway it streamed to before
+    orphaned: bool            # an orphan sweep had cancelled it before this attach
 
 
 class Submitter:
@@ -95,20 +129,21 @@ class Submitter:
     # ------------------------------------------------------------------ submit
 
     async def submit(self, entry: RequestEntry, *, release: list[str] = (), idem: str | None = None,
-                     tool_mode: str | None = None) -> str | None:
+                     replaces: str = "", tool_mode: str | None = None) -> str | None:
         """Rate limit + concurrency lease + XADD in one round trip; ProtocolError when refused.
         `release`: leases of the same key that ended here and are not yet released (the
         bookkeeper's queue), released first in the same round trip. `idem`: the request's
         idempotency key (Redis key, `Keys.idem`): when it already started a request, nothing is
-        queued and that request's rid is returned (None otherwise). `tool_mode`: how its answer is
-        read for tool calls (kept in its meta for a resume)."""
+        queued and that request's rid is returned (None otherwise), unless it is `replaces` (an
+        orphan-cancelled request a re-send restarts: the key names the new one from now on).
+        `tool_mode`: how its answer is read for tool calls (kept in its meta for a resume)."""
         key_id, rid = entry.key_id, entry.rid
         minute = int(self.clock() // 60)
         lua_keys = [self.keys.rate(key_id, minute), self.keys.conc(key_id), self.keys.requests]
         if idem:
             lua_keys.append(idem)
         lua_args = [self.rate_per_min, self.concurrency, self.lease_ms, rid, entry.encode(), self.request_maxlen,
-                    self.ttl]
+                    self.ttl, replaces]
         if self._sha is None:
             self._sha = await self.redis.script_load(SUBMIT_LUA)
         for attempt in range(2):
@@ -207,7 +242,10 @@ class Submitter:
             _, owner = await pipe.execute()
         if owner is None:
             return None
-        owner = as_str(owner)
+        return await self._tell_owner(rid, as_str(owner))
+
+    async def _tell_owner(self, rid: str, owner: str) -> str:
+        """A cancel on the owning worker's control stream (it reads it between steps)."""
         await self.redis.xadd(self.keys.ctl(owner), {ENTRY_FIELD: encode_cancel(rid)},
                               maxlen=CTL_MAXLEN, approximate=True)
         return owner
@@ -230,28 +268,32 @@ class Submitter:
             return None
         return {as_str(k): as_str(v) for k, v in raw.items()}
 
-    async def attach(self, rid: str) -> tuple[int, str | None, str | None]:
+    async def attach(self, rid: str) -> Attached:
         """Route rid's live events here from now on: meta.gw = this gateway, meta.att += 1, in one
-        MULTI that also reads the owner and the previous gateway. Returns (att, owner, old gw)."""
+        MULTI that also reads the owner, the previous gateway and whether an orphan sweep
+        cancelled it before (meta.orph)."""
         meta = self.keys.meta(rid)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hget(meta, META_GW)
             pipe.hset(meta, META_GW, self.gw_id)
             pipe.hincrby(meta, META_ATT, 1)
-            pipe.hget(meta, META_OWNER)
+            pipe.hmget(meta, [META_OWNER, META_ORPHANED])
             pipe.expire(meta, self.ttl)
-            old_gw, _, att, owner, _ = await pipe.execute()
+            old_gw, _, att, (owner, orphaned), _ = await pipe.execute()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.sadd(self.keys.gw_reqs(self.gw_id), rid)
             pipe.expire(self.keys.gw_reqs(self.gw_id), self.reqs_ttl_s)
             old_gw = as_str(old_gw) if old_gw is not None else None
             if old_gw and old_gw != self.gw_id:
                 pipe.srem(self.keys.gw_reqs(old_gw), rid)
+                # a gone gateway's inbox is not made again (it would never expire)
+                pipe.xadd(self.keys.inbox(old_gw), {ENTRY_FIELD: pack_event_list([Moved(rid, int(att)).encode()])},
+                          maxlen=INBOX_MAXLEN, approximate=True, nomkstream=True)
             await pipe.execute()
         owner = as_str(owner) if owner is not None else None
         if owner:
             await self.send_attach(rid, owner, int(att))
-        return int(att), owner, old_gw
+        return Attached(int(att), owner, old_gw, orphaned is not None)
 
     async def send_attach(self, rid: str, owner: str, att: int) -> None:
         await self.redis.xadd(self.keys.ctl(owner),
@@ -295,9 +337,7 @@ class Submitter:
             if not await self.redis.zrem(self.keys.orphans, member):
                 continue  # another replica took it
             rid, _, att = as_str(member).rpartition("|")
-            current, background = await self.redis.hmget(self.keys.meta(rid), [META_ATT, META_BG])
-            if int(current or 0) == int(att) and not background:
-                await self.cancel(rid)
+            if await self.cancel_orphan(rid, int(att)):
                 cancelled.append(rid)
         return cancelled
 
@@ -308,9 +348,14 @@ class Submitter:
             pipe.expire(self.keys.meta(rid), self.ttl)
             await pipe.execute()
 
-    async def cancel_orphan(self, rid: str) -> bool:
-        """Cancel an orphan at once (no resume grace) unless it is a background response."""
-        if await self.redis.hget(self.keys.meta(rid), META_BG):
+    async def cancel_orphan(self, rid: str, att: int | None = None) -> bool:
+        """Cancel an orphan unless it is a background response, has finished, or was resumed
+        since it was parked with attach counter `att` (None: whatever it is), in one script
+        (`ORPHAN_CANCEL`). Returns whether it was cancelled."""
+        owner = await self.redis.eval(ORPHAN_CANCEL, 3, self.keys.meta(rid), self.keys.cancel(rid), self.keys.out(rid),
+                                      "" if att is None else att, self.ttl)
+        if owner is None:
             return False
-        await self.cancel(rid)
+        if owner:
+            await self._tell_owner(rid, as_str(owner))
         return True

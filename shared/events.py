@@ -10,11 +10,12 @@ is skipped.
 
 | class          | `k`    | where                       | what                                          |
 |----------------|--------|-----------------------------|-----------------------------------------------|
-| `TokEvent`     | `tok`  | history `{seq}-0`, inbox    | tokens `seq-n+1 .. seq` (ids, text, logprobs) |
+| `TokEvent`     | `tok`  | history `{seq}-0`, inbox    | tokens `seq-n+1 .. seq` (ids, text, logprobs, echo) |
 | `DoneEvent`    | `done` | history `{seq}-1`, inbox    | the request's final: finish_reason and usage  |
 | `ErrEvent`     | `err`  | history `{seq}-1`, inbox    | the request's final: a typed error            |
 | `AttachMarker` | `att`  | inbox only                  | "everything <= seq is in the history"         |
 | `TokenizeReply`| `tokr` | inbox only                  | a worker's answer to a tokenize/detokenize    |
+| `Moved`        | `moved`| inbox only (gateway → gw)   | rid was resumed on another gateway            |
 
 The gateway's own finals (a cancel no worker confirmed, a stall, a resume elsewhere, a hole in
 the history) are `DoneEvent` / `ErrEvent` too, made with `local=True` (never on the wire).
@@ -63,6 +64,9 @@ class TokEvent:
     logprobs: list | None = None
     prompt_tokens: int = 0
     lens: list[int] | bytes | None = None     # bytes: as decoded from the wire (one length a byte)
+    # echo / prompt logprobs (`pr`): [prompt text or None, prompt token entries or None], on the
+    # event holding a request's first token only (a `tail` has none: it was delivered before)
+    prompt: list | None = None
 
     @property
     def n(self) -> int:
@@ -89,6 +93,8 @@ class TokEvent:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(out.logprobs)
+        if out.prompt is not None:
+            self.prompt = out.prompt
 
     @property
     def first(self) -> int:
@@ -102,6 +108,8 @@ class TokEvent:
             event["pt"] = self.prompt_tokens
         if self.logprobs is not None:
             event["lp"] = self.logprobs
+        if self.prompt is not None:
+            event["pr"] = self.prompt
         lens = self.lens
         if len(self.ids) > 1 and lens is not None and len(lens) == len(self.ids):
             try:        # one byte a token (a bin decodes as one object, not a list of ints)
@@ -133,14 +141,15 @@ class TokEvent:
     def from_map(cls, d: dict) -> "TokEvent":
         try:        # the hot path: a map our own encoder wrote
             return cls(d["rid"], d["seq"], d["ids"], d["text"], d["ep"], d["ms"], d.get("lp"), d.get("pt", 0),
-                       d.get("tl"))
+                       d.get("tl"), d.get("pr"))
         except KeyError:
             pass
         ids = d.get("ids")
         tl = d.get("tl")
         return cls(d.get("rid") or "", int(d.get("seq") or 0), ids if isinstance(ids, list) else [],
                    d.get("text") or "", int(d.get("ep") or 0), int(d.get("ms") or 0), d.get("lp"),
-                   int(d.get("pt") or 0), tl if isinstance(tl, (list, bytes)) else None)
+                   int(d.get("pt") or 0), tl if isinstance(tl, (list, bytes)) else None,
+                   d.get("pr") if isinstance(d.get("pr"), list) else None)
 
 
 def _lens_without_field(ev: TokEvent) -> list[int] | None:
@@ -324,6 +333,25 @@ class AttachMarker:
 
 
 @dataclass(slots=True)
+class Moved:
+    """Inbox only, written by a GATEWAY into the inbox of the gateway that served rid before:
+    a client resumed rid there (attach counter `att`); the old gateway's session that still
+    has it ends it with `resumed_elsewhere` instead of leaving it silent (gateway.submit.attach)."""
+    KIND: ClassVar[str] = "moved"
+    is_final: ClassVar[bool] = False
+
+    rid: str
+    att: int
+
+    def encode(self) -> bytes:
+        return _pack({"v": EVENT_VERSION, "k": "moved", "rid": self.rid, "att": self.att})
+
+    @classmethod
+    def from_map(cls, d: dict) -> "Moved":
+        return cls(d.get("rid") or "", int(d.get("att") or 0))
+
+
+@dataclass(slots=True)
 class ReplyError:
     """A worker's refusal of a tokenize request (the `error` of a `TokenizeReply`)."""
     code: str
@@ -377,12 +405,13 @@ class TokenizeReply:
                    list(strs) if strs is not None else None, d.get("max_model_len"), d.get("prompt"), error)
 
 
-Event = Union[TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply]
+Event = Union[TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply, Moved]
 FinalEvent = Union[DoneEvent, ErrEvent]
 HistoryEvent = Union[TokEvent, DoneEvent, ErrEvent]      # what a request's history stream holds
 HISTORY_TYPES = (TokEvent, DoneEvent, ErrEvent)
 
-_BY_KIND: dict[str, Any] = {c.KIND: c.from_map for c in (TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply)}
+_BY_KIND: dict[str, Any] = {c.KIND: c.from_map for c in (TokEvent, DoneEvent, ErrEvent, AttachMarker, TokenizeReply,
+                                                         Moved)}
 
 
 def event_from_map(obj: Any) -> Event | None:

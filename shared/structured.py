@@ -106,22 +106,60 @@ def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolMode |
     return "auto" if choice in (None, "auto") else "forced"
 
 
-def _call_schema(tool: Tool) -> dict:
+def _call_schema(tool: Tool, i: int, defs: dict) -> dict:
+    """The schema of one call, `{"name", "arguments"}`. Parameters with local `$ref`s (pydantic's
+    and LangChain's carry `$defs`) move to the grammar's root `$defs` as "t<i>", their own
+    definitions as "t<i>__<name>", with the refs rewritten: inside the call schema, "#" would
+    name the wrong root (and xgrammar follows no pointer through `anyOf`'s list)."""
     params = tool.function.parameters or {"type": "object", "properties": {}}
+    if _has_local_ref(params):
+        own = {**(params.get("definitions") or {}), **(params.get("$defs") or {})}
+        base = f"t{i}"
+        defs[base] = _rebase({k: v for k, v in params.items() if k not in ("$defs", "definitions")}, base)
+        defs.update({f"{base}__{name}": _rebase(value, base) for name, value in own.items()})
+        params = {"$ref": f"#/$defs/{base}"}
     return {"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                              "arguments": params},
             "required": ["name", "arguments"]}
 
 
+def _has_local_ref(schema) -> bool:
+    if isinstance(schema, list):
+        return any(_has_local_ref(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    ref = schema.get("$ref")
+    return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in schema.values())
+
+
+def _rebase(schema, base: str):
+    """`schema` with its local `$ref`s pointing where _call_schema moved their targets."""
+    if isinstance(schema, list):
+        return [_rebase(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebase(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        for root in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(root):
+                out["$ref"] = f"#/$defs/{base}__{ref[len(root):]}"
+                break
+        else:
+            out["$ref"] = f"#/$defs/{base}{ref[1:]}"
+    return out
+
+
 def grammar_for(response_format: ResponseFormat | None, tools: list[Tool] | None,
                 choice: ToolChoice | None) -> dict | None:
     """The engine's grammar spec (worker.engine.grammar) for a request, or None (free text)."""
-    if tool_mode(tools, choice) == "forced":
+    if tool_mode(tools, choice) == "forced":    # `param`: a refused schema names `tools`
         if isinstance(choice, NamedToolChoice):
-            tool = next(t for t in tools if t.function.name == choice.function.name)
-            return {"type": "json_schema", "schema": _call_schema(tool)}
-        schemas = [_call_schema(t) for t in tools]
-        return {"type": "json_schema", "schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas}}
+            tools = [next(t for t in tools if t.function.name == choice.function.name)]
+        defs: dict = {}
+        schemas = [_call_schema(t, i, defs) for i, t in enumerate(tools)]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        return {"type": "json_schema", "schema": {**schema, "$defs": defs} if defs else schema, "param": "tools"}
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":

@@ -16,7 +16,7 @@ from transformers import (AutoTokenizer, LlamaForCausalLM, MistralConfig, Mistra
 
 from shared.errors import ErrorCode
 from shared.sampling import SamplingParams
-from worker.engine import Engine, EngineConfig, EngineRejected, EngineRequest
+from worker.engine import Engine, EngineConfig, EngineRequest
 
 # Strings, arrays and numbers are bounded: a random model must still end each document.
 PERSON = {"type": "object", "properties": {
@@ -173,13 +173,23 @@ def test_a_continuation_of_a_finished_document_ends_at_once(tiny):
     assert final.finished and final.finish_reason == "stop" and final.completion_tokens == len(ids)
 
 
+def refusal(engine: Engine, req: EngineRequest):
+    """The final a request with a grammar the engine refuses ends with (added, then stepped:
+    the refusal comes from the compile, off the engine thread)."""
+    engine.add(req)
+    (final,) = engine.step()
+    assert final.rid == req.rid and final.finished and final.finish_reason == "error" and not final.token_ids
+    assert final.prompt_tokens == len(req.prompt_ids) and not engine.has_work
+    return final
+
+
 @pytest.mark.parametrize("bad", [{"type": "nonsense"}, {"type": "object", "properties": {"a": {"$ref": "#/nope"}}},
                                  {"type": "string", "pattern": "(("}])
 def test_a_bad_schema_is_refused(tiny, bad):
     model, tok = tiny
-    with pytest.raises(EngineRejected) as info:
-        make_engine(model, tok).add(EngineRequest("b", prompt(tok, "x"), SamplingParams(grammar=spec(bad))))
-    assert info.value.code == ErrorCode.INVALID_REQUEST and info.value.message.startswith("response_format:")
+    final = refusal(make_engine(model, tok), EngineRequest("b", prompt(tok, "x"), SamplingParams(grammar=spec(bad))))
+    assert final.error_code == ErrorCode.INVALID_REQUEST and final.error_message.startswith("response_format:")
+    assert final.error_param == "response_format"
 
 
 def family_models(vocab: int):
@@ -251,6 +261,7 @@ def test_the_constrained_count_returns_to_zero(tiny):
                                                                          grammar=spec(ENUMS)))])
     assert constrained() == 0
     engine.add(EngineRequest("a", prompt(tok, "x"), SamplingParams(max_tokens=200, grammar=spec(PERSON))))
+    engine.step()                           # alone: the step waits for its grammar, then admits it
     engine.add(EngineRequest("free", prompt(tok, "y"), SamplingParams(max_tokens=4)))
     engine.step()                           # both admitted: each takes a row
     assert constrained() == 1 and engine.num_running == 2
@@ -259,6 +270,6 @@ def test_the_constrained_count_returns_to_zero(tiny):
     while engine.has_work:
         engine.step()
     assert constrained() == 0
-    with pytest.raises(EngineRejected):     # a schema that cannot compile: refused before it is counted
-        engine.add(EngineRequest("b", prompt(tok, "x"), SamplingParams(max_tokens=8, grammar={"type": "regex"})))
+    # a schema that cannot compile: refused before it is counted
+    refusal(engine, EngineRequest("b", prompt(tok, "x"), SamplingParams(max_tokens=8, grammar={"type": "regex"})))
     assert constrained() == 0

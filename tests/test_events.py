@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.events import (AttachMarker, DoneEvent, DoneUsage, ErrEvent, ReplyError, TokEvent, TokenizeReply,
+from shared.events import (AttachMarker, DoneEvent, DoneUsage, ErrEvent, Moved, ReplyError, TokEvent, TokenizeReply,
                            decode_event, decode_events, error_code)
 from shared.protocol import parse_client_message
 from shared.streams import pack_event_list
@@ -102,6 +102,8 @@ CASES = [
         "tok-3", {"error": {"code": "invalid_request", "message": "bad", "param": "tokens"}})),
     (TokenizeReply("tok-3", error=ReplyError("overloaded", "busy")), old_encode_tokenize_reply(
         "tok-3", {"error": {"code": "overloaded", "message": "busy", "param": None}})),
+    # new in issue 34 (no older encoder): the map a gateway of the version before skips as unknown
+    (Moved("r5", 3), _pack({"v": 2, "k": "moved", "rid": "r5", "att": 3})),
 ]
 
 

@@ -5,6 +5,11 @@ for a successful `auth`), and the socket still answers a ping after it.
 The gateway runs in a thread with its own event loop (hypothesis drives plain functions); no
 worker is registered, so a valid `generate` is answered `overloaded` and nothing runs. Bounded
 for CI: a few hundred examples in all, frames of at most 2 x MAX_FRAME_BYTES (2 KiB here).
+
+The surfaces of structured output, tools, logprobs and resume are fuzzed against a live worker
+too (the module's `stack`: the tiny model), seeded and bounded (6 rounds of 6 requests, a few
+tokens each, then 14 resumes): random schemas and tool definitions (tests/fuzz_cases.py), a
+sentinel stream that must keep moving and complete exactly, and no key left without an expiry.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from websockets.sync.client import connect
 
 from gateway.settings import GatewaySettings
 from shared.errors import ErrorCode
-from tests.stack_fixtures import gateway_in_process
+from shared.streams import as_str
+from tests import fuzz_cases
+from tests.gateway_client import GatewayClient, eventually
+from tests.stack_fixtures import StackSpec, gateway_in_process
 
 MAX_FRAME = 2048
 CODES = {c.value for c in ErrorCode}
@@ -290,3 +298,208 @@ async def test_random_resume_points_are_exact_and_harm_no_other_client(redis_ser
         await reused.close()
         await bystander.close()
         await owner.close()
+
+
+# ---------------------------------------------------------------- live: schemas, tools, logprobs, resumes (issue 34 item 7)
+
+FUZZ_SCHEMA_BYTES = 1024        # the fuzz worker's GRAMMAR_MAX_SCHEMA_BYTES: random schemas cross it
+STACK = StackSpec("w-fuzz", env={"GRAMMAR_MAX_SCHEMA_BYTES": FUZZ_SCHEMA_BYTES, "GRAMMAR_COMPILE_TIMEOUT_S": 3})
+SENTINEL_TOKENS = 160
+ROUNDS, PER_ROUND = 6, 6
+# documented keys that live as long as the deployment (shared/streams.py); every other key of a
+# request, a gateway or a worker carries a TTL once its request has ended
+PERSISTENT = (":{q}:requests", ":{q}:dead", ":{reg}:", "}:inbox", "}:ctl")
+
+
+class Sentinel:
+    """Greedy streams of SENTINEL_TOKENS tokens (ignore_eos), one after another on a socket of
+    their own: each must keep flowing through the fuzz and complete exactly."""
+
+    def __init__(self, url: str):
+        self.url, self.count, self.finished = url, 0, []
+
+    async def start(self) -> None:
+        self.ws = await GatewayClient.connect(self.url)
+        await self._next()
+
+    async def _next(self) -> None:
+        self.count += 1
+        self.cid, self.chunks, self.final = f"sentinel{self.count}", [], None
+        self.rid = await self.ws.generate(self.cid, prompt="Once upon a time", max_tokens=SENTINEL_TOKENS,
+                                          ignore_eos=True, temperature=0.0)
+        self.task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while self.final is None:
+            msg = await self.ws.recv(self.cid, timeout=300)
+            if msg["type"] == "chunk":
+                self.chunks.append(msg)
+            else:
+                self.final = msg
+
+    def mark(self) -> tuple[int, int]:
+        return self.count, sum(ch["tokens"] for ch in self.chunks)
+
+    async def rotate(self, wait: bool = False) -> None:
+        """A finished sentinel is checked (every token once, in order, all of them) and the next starts."""
+        if wait:
+            await asyncio.wait_for(asyncio.shield(self.task), 300)
+        if not self.task.done():
+            return
+        self.task.result()
+        seq = 0
+        for ch in self.chunks:
+            assert ch["seq"] == seq + ch["tokens"], (self.cid, ch, seq)
+            seq = ch["seq"]
+        fin = self.final
+        assert fin["type"] == "done" and "error" not in fin, fin
+        assert fin["finish_reason"] == "length" and fin["seq"] == seq == SENTINEL_TOKENS, fin
+        assert fin["usage"]["completion_tokens"] == SENTINEL_TOKENS, fin
+        self.finished.append((self.rid, "".join(ch["text"] for ch in self.chunks)))
+        if not wait:
+            await self._next()
+
+
+def check_error(msg: dict) -> dict:
+    error = msg if msg["type"] == "error" else msg["error"]
+    assert error["code"] in CODES and isinstance(error["message"], str), msg
+    return error
+
+
+async def ws_case(url: str, cid: str, fields: dict) -> dict | None:
+    """One `generate` on a fresh socket: a typed refusal, or accepted, every token once and a
+    typed `done`; logprobs, when asked and accepted, one entry a token. The finished request
+    (rid, text, seq), or None when refused."""
+    c = await GatewayClient.connect(url)
+    try:
+        await c.send(type="generate", id=cid, **fields)
+        first = await c.recv(cid, timeout=120)
+        if first["type"] == "error":
+            check_error(first)
+            return None
+        assert first["type"] == "accepted", first
+        chunks, fin = await c.until_done(cid, timeout=300)
+        assert fin["type"] == "done" and fin["seq"] == sum(ch["tokens"] for ch in chunks), (fields, fin)
+        if fin["finish_reason"] == "error":
+            check_error(fin)
+        else:
+            assert fin["finish_reason"] in ("stop", "length") and "error" not in fin, fin
+        if fields.get("logprobs") is True:
+            top = fields.get("top_logprobs") or 0
+            for ch in chunks:
+                assert len(ch["logprobs"]) == ch["tokens"], ch
+                assert all(len(e["top_logprobs"]) == top for e in ch["logprobs"]), ch
+        return {"rid": first["request_id"], "text": "".join(ch["text"] for ch in chunks), "seq": fin["seq"]}
+    finally:
+        await c.close()
+
+
+async def http_case(http, base: str, body: dict) -> None:
+    """One chat completion over the OpenAI API: an answer or a typed 4xx, never a 5xx."""
+    r = await http.post(base + "/v1/chat/completions", json=body)
+    assert r.status_code < 500, (r.status_code, r.text[:300], body)
+    if r.status_code != 200:
+        assert {"message", "type", "param", "code"} <= set(r.json()["error"]), r.text[:300]
+    elif body.get("stream"):
+        assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls"), r.text[:300]
+
+
+def random_fields(rng, i: int) -> dict:
+    """A chat request with 1-3 of the new surfaces; in about a third of them one is malformed."""
+    fields = {"messages": [{"role": "user", "content": rng.choice(fuzz_cases.ODD_STRINGS) or "hi"}],
+              "max_tokens": rng.randint(1, 6), "temperature": rng.choice([0.0, 1.0]), "seed": i}
+    parts = rng.sample(["response_format", "tools", "logprobs"], rng.randint(1, 3))
+    bad = rng.choice(parts) if rng.random() < 0.35 else None
+    if "response_format" in parts and "tools" in parts and bad is None:
+        parts.remove(rng.choice(["response_format", "tools"]))     # valid requests: one grammar at most
+    for part in parts:
+        if part == "response_format":
+            fields["response_format"] = fuzz_cases.response_format(rng, big_bytes=2 * FUZZ_SCHEMA_BYTES,
+                                                                   valid=part != bad)
+        elif part == "tools":
+            fields.update(fuzz_cases.tools(rng, big_bytes=2 * FUZZ_SCHEMA_BYTES, valid=part != bad))
+        else:
+            fields.update(fuzz_cases.logprobs(rng, valid=part != bad))
+    return fields
+
+
+async def resume_case(url: str, cid: str, done: dict, last) -> None:
+    """A finished request resumed at `last`: the rest exactly (a suffix of its text, its token
+    count), or a typed refusal for a point it never reached or a mistyped one."""
+    c = await GatewayClient.connect(url)
+    try:
+        await c.send(type="resume", id=cid, last_seq=last, request_id=done["rid"])
+        first = await c.recv(cid, timeout=60)
+        valid = isinstance(last, int) and not isinstance(last, bool) and 0 <= last <= done["seq"]
+        if first["type"] == "error":
+            assert not valid and check_error(first)["code"] == "invalid_request", (last, done["seq"], first)
+            return
+        assert first["type"] == "accepted", first
+        chunks, fin = await c.until_done(cid, timeout=60)
+        if not valid:
+            assert not chunks and check_error(fin)["code"] == "invalid_request", (last, done["seq"], fin)
+            return
+        text = "".join(ch["text"] for ch in chunks)
+        assert fin["seq"] == done["seq"] and sum(ch["tokens"] for ch in chunks) == done["seq"] - last, (last, fin)
+        assert done["text"].endswith(text) and (last or text == done["text"]), (last, text, done)
+    finally:
+        await c.close()
+
+
+async def test_random_schemas_tools_logprobs_and_resumes_harm_no_other_stream(stack, redis_client):
+    """Seeded random `response_format` schemas (odd, broken, too large, one slow to compile),
+    tool definitions, logprobs fields, over the WebSocket and the OpenAI API, in rounds beside a
+    sentinel stream; then resumes of the finished requests at random points (in range, past the
+    end, mistyped). Every answer is typed; the sentinel moves on in every round and each of its
+    streams completes exactly; the worker lives; no request key is left without an expiry."""
+    import random
+
+    import httpx
+
+    rng = random.Random(3407)
+    async with gateway_in_process(stack.settings(resume_rate_per_min=0)) as gw:
+        sentinel = Sentinel(gw.ws_url)
+        await sentinel.start()
+        finished: list[dict] = []
+        async with httpx.AsyncClient(timeout=300) as http:
+            for rnd in range(ROUNDS):
+                mark = sentinel.mark()
+                jobs, ws_jobs = [], []
+                for k in range(PER_ROUND):
+                    i = rnd * PER_ROUND + k
+                    fields = random_fields(rng, i)
+                    if i == 0:      # the documented slow kind: seconds of compiling, or the 3 s timeout
+                        fields["response_format"] = {"type": "json_schema", "json_schema": {
+                            "name": "slow", "schema": fuzz_cases.slow_schema(rng)}}
+                    if rng.random() < 0.3:
+                        body = {"model": gw.settings.served_model_name, **fields, "stream": rng.random() < 0.5}
+                        jobs.append(http_case(http, gw.base, body))
+                    else:
+                        ws_jobs.append(ws_case(gw.ws_url, f"f{i}", fields))
+                results = await asyncio.gather(*ws_jobs, *jobs)
+                finished += [r for r in results[:len(ws_jobs)] if r]
+                assert await eventually(lambda: sentinel.mark() != mark or sentinel.task.done(), timeout=60), \
+                    f"the sentinel made no progress in round {rnd}"
+                await sentinel.rotate()
+        await sentinel.rotate(wait=True)
+        assert finished and sentinel.finished
+        for rid, text in sentinel.finished[:2]:         # its history holds exactly what it streamed
+            await resume_case(gw.ws_url, f"rs{rid[:6]}", {"rid": rid, "text": text, "seq": SENTINEL_TOKENS}, 0)
+        for j in range(12):
+            done = rng.choice(finished + [{"rid": r, "text": t, "seq": SENTINEL_TOKENS} for r, t in sentinel.finished])
+            last = rng.choice([0, rng.randint(0, done["seq"]), done["seq"], done["seq"] + 1, 10**6, -1, "2", 2.5])
+            await resume_case(gw.ws_url, f"r{j}", done, last)
+        await sentinel.ws.close()
+        assert stack.worker.alive(), stack.worker.log()[-3000:]
+        assert "Traceback" not in stack.worker.log(), stack.worker.log()[-3000:]
+        untimed, requests_seen = [], 0
+        async for key in redis_client.scan_iter(match=f"{stack.prefix}:*"):
+            name = as_str(key)
+            requests_seen += ":{r:" in name
+            if ":conc:" in name:
+                assert await redis_client.zcard(key) == 0, name          # no concurrency lease held
+            if await redis_client.ttl(key) == -1 and not any(p in name for p in PERSISTENT):
+                untimed.append(name)
+        assert requests_seen > len(finished) and not untimed, f"keys left without an expiry: {sorted(untimed)}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import signal
 import uuid
 
 import httpx
@@ -19,6 +20,7 @@ from llm_stream_client import StreamClient
 from shared.streams import CONSUMER_GROUP
 from tests.gateway_client import GatewayClient, eventually
 from tests.stack_fixtures import StackSpec, gateway_in_process
+from tests.worker_redis import read_events
 from worker.synthetic import token_at
 
 KEY_A, KEY_B = "sk-idem-a", "sk-idem-b"
@@ -145,3 +147,68 @@ async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server,
         assert set(queued) <= {g.request_id for g in gens}          # the requests A queued are the ones that ran
         assert await entries(redis_client, stack) - before == len(gens)     # and nothing ran twice
         assert all(client.reconnects >= 1 for client in clients)
+
+
+
+async def test_a_resend_racing_the_orphan_sweep_completes_exactly(redis_server, redis_client, stack):
+    """Issue 34 item 6, the re-send/orphan race: a client's socket drops right after `generate`
+    (its `accepted` lost) while its request is queued, the resume grace runs out, and it sends
+    the generate again with the same idempotency key on another gateway just as the orphan sweep
+    acts. The sweep's check and cancel are one step, so the re-send lands either before it (the
+    sweep leaves the re-attached request alone) or after it (the re-send starts the request
+    again rather than attaching to a cancelled one). Both orders, made deterministic: the
+    worker is stopped (the requests stay queued) and the sweep is held at its decision on one
+    request. Each answer is exact; before the fix, the second one ended `cancelled`."""
+    g = settings(stack, resume_grace_s=0.2, sweep_interval_s=0.05)
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    keys = stack.keys
+    early_key, late_key = f"early-{uuid.uuid4().hex}", f"late-{uuid.uuid4().hex}"
+    rids: dict[str, str] = {}
+    deciding, decide = asyncio.Event(), asyncio.Event()
+
+    def hold_the_early_one(real):
+        async def cancel_orphan(rid, att=None):
+            if rid == rids.get("early"):
+                deciding.set()
+                await decide.wait()
+            return await real(rid, att)
+        return cancel_orphan
+
+    stack.worker.signal(signal.SIGSTOP)        # nothing runs: both requests stay queued
+    try:
+        async with gateway_in_process(g) as gw_a, gateway_in_process(g) as gw_b:
+            for gw in (gw_a, gw_b):             # any replica's sweeper may take an orphan
+                gw.probe.intercept_orphan_cancel(hold_the_early_one)
+            before = await entries(redis_client, stack)
+            c1 = await GatewayClient.connect(gw_a.ws_url, headers=auth)
+            rids["early"] = await c1.generate("e", prompt="x", max_tokens=30, idempotency_key=early_key)
+            rids["late"] = await c1.generate("l", prompt="x", max_tokens=31, idempotency_key=late_key)
+            c1.ws.transport.abort()                  # gone: both are parked, the grace runs out
+
+            async def swept() -> bool:     # the late one cancelled; the sweep holds at the early one
+                return deciding.is_set() and bool(await redis_client.exists(keys.cancel(rids["late"])))
+            assert await eventually(swept, timeout=10)
+            c2 = await GatewayClient.connect(gw_b.ws_url, headers=auth)
+            early = await c2.send_generate("e", prompt="x", max_tokens=30, idempotency_key=early_key)
+            assert early["type"] == "accepted" and early["request_id"] == rids["early"], early   # attached
+            late = await c2.send_generate("l", prompt="x", max_tokens=31, idempotency_key=late_key)
+            assert late["type"] == "accepted" and late["request_id"] != rids["late"], late       # started again
+            decide.set()                               # the sweep decides now: the early one was resumed
+            stack.worker.signal(signal.SIGCONT)
+            for cid, n in (("e", 30), ("l", 31)):
+                chunks, done = await c2.until_done(cid, timeout=30)
+                assert done["finish_reason"] == "length", (cid, done)
+                assert "".join(ch["text"] for ch in chunks) == expected_text(n) and done["seq"] == n
+            # the key names the new request now: sent once more, it attaches to that one
+            again = await c2.send_generate("l2", prompt="x", max_tokens=31, idempotency_key=late_key)
+            assert again["request_id"] == late["request_id"]
+            chunks, _ = await c2.until_done("l2", timeout=30)
+            assert "".join(ch["text"] for ch in chunks) == expected_text(31)
+            await c2.close()
+        cancelled = await read_events(redis_client, keys, rids["late"], timeout=30)
+        assert [(e["k"], e["seq"], e.get("finish_reason")) for e in cancelled] == [("done", 0, "cancelled")]
+        assert not await redis_client.exists(keys.cancel(rids["early"]))
+        # the early request ran once, the late one's original never ran (cancelled) and its restart once
+        assert await entries(redis_client, stack) - before == 3
+    finally:
+        stack.worker.signal(signal.SIGCONT)

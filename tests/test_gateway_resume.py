@@ -75,6 +75,43 @@ async def test_abrupt_close_then_quick_resume_elsewhere_loses_and_repeats_nothin
         assert not failures, f"{len(failures)} of {ITERATIONS} resumes were not exact: {failures[:5]}"
 
 
+async def test_a_resume_on_another_gateway_ends_the_old_socket_with_resumed_elsewhere(redis_client, stack):
+    """Issue 34 item 5. A client resumes on gateway B while its old socket on gateway A is still
+    open (a phone that switched networks, its old connection not yet noticed as gone): A learns
+    it through its inbox (B's `moved` notice) and ends the request on the old socket at once with
+    `resumed_elsewhere`, instead of leaving it silent until its stall watchdog; A releases
+    nothing of the request, which runs on for B (its one concurrency slot stays taken), and B
+    gets exactly the tokens after `last_seq`."""
+    settings = stack.settings(resume_grace_s=30, flush_interval_ms=30, per_key_concurrency=1)
+    async with gateway_in_process(settings) as gw_a, gateway_in_process(settings) as gw_b:
+        a = await GatewayClient.connect(gw_a.ws_url)
+        b = await GatewayClient.connect(gw_b.ws_url)
+        rid = await a.generate("x", prompt="Story:", max_tokens=1500, ignore_eos=True)
+        seen = await a.chunks("x", 4)
+        last_seq = seen[-1]["seq"]
+        await b.send(type="resume", id="y", last_seq=last_seq, request_id=rid)
+        assert (await b.recv("y", timeout=30))["type"] == "accepted"
+        more, moved = await a.until_done("x", timeout=30)
+        assert moved["type"] == "done" and moved["finish_reason"] == "error", moved
+        assert moved["error"]["code"] == "resumed_elsewhere" and not moved["error"]["retryable"], moved
+        assert moved["seq"] == (more[-1]["seq"] if more else last_seq)
+        assert gw_a.probe.requests() == [] and gw_a.probe.subscriptions == 0
+        # the request still holds its key's one slot: A, which ended it for its own socket only,
+        # released nothing (a submit of the same key on A takes A's pending releases along)
+        refused = await a.send_generate("z", max_tokens=5)
+        assert refused["type"] == "error" and refused["code"] == "concurrency_limit", refused
+        rest = await b.chunks("y", 8)
+        await b.send(type="cancel", id="y")
+        tail, done = await b.until_done("y", timeout=30)
+        rest += tail
+        assert done["finish_reason"] == "cancelled", done
+        assert rest[0]["seq"] - rest[0]["tokens"] == last_seq
+        history = await read_events(redis_client, stack.keys, rid)
+        assert "".join(ch["text"] for ch in seen + rest) == text_of(history)
+        for c in (a, b):
+            await c.close()
+
+
 async def test_a_live_event_past_a_gap_is_completed_from_history(redis_server, stream_prefix, redis_client):
     """Live tokens that skip ahead (a stale writer's event crossed the new owner's, or an inbox
     entry was trimmed) are completed from the history, in order, before the later ones are shown.

@@ -125,6 +125,56 @@ async def test_batch_through_the_sdk_every_line_answered_once(redis_server, redi
             await oai.files.retrieve(uploaded.id)
 
 
+def response_line(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+            "body": {"model": MODEL, "max_output_tokens": 6, "temperature": 0, **body}}
+
+
+async def test_responses_lines(redis_server, redis_client, batch_stack):
+    """`/v1/responses` lines run as the route runs them (the same body, `previous_response_id`
+    chains from the stored responses), on the batch lane; each answer is the response object,
+    stored unless `store: false`, and the same as the route's answer to the same request."""
+    async with gateway_in_process(settings(redis_server, batch_stack, batch_concurrency=2)) as gw:
+        oai = client(gw)
+        first = await oai.responses.create(model=MODEL, input="Story number 1:", max_output_tokens=6, temperature=0)
+        more = {"role": "user", "content": [{"type": "input_text", "text": "And then?"}]}
+        lines = [response_line("plain", input="Story number 2:"),
+                 response_line("instructed", input="Story number 3:", instructions="Be brief.", metadata={"k": "v"}),
+                 response_line("chained", input=[more], previous_response_id=first.id),
+                 response_line("unstored", input="Story number 4:", store=False),
+                 response_line("streamed", input="x", stream=True),
+                 response_line("background", input="x", background=True),
+                 response_line("unknown-previous", input="x", previous_response_id="resp_" + "0" * 32)]
+        uploaded = await oai.files.create(file=("r.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = await oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+        batch, seen = await finished(oai, batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 4, (batch, seen)
+        out = [json.loads(x) for x in (await oai.files.content(batch.output_file_id)).text.splitlines()]
+        err = [json.loads(x) for x in (await oai.files.content(batch.error_file_id)).text.splitlines()]
+        assert [a["custom_id"] for a in out] == ["plain", "instructed", "chained", "unstored"]
+        for line, answer in zip(lines, out):
+            r = answer["response"]
+            body = r["body"]
+            assert r["status_code"] == 200 and body["object"] == "response" and body["id"] == "resp_" + r["request_id"]
+            assert body["status"] in ("completed", "incomplete") and body["usage"]["output_tokens"] > 0
+            events = await read_events(redis_client, Keys(batch_stack), r["request_id"])
+            assert events[-1].get("lane") == "batch"
+            text = "".join(p["text"] for item in body["output"] for p in item["content"])
+            assert text == text_of(events)
+            fields = {k: v for k, v in line["body"].items() if k != "store"}
+            alone = await oai.responses.create(**fields)       # the route, the same request: the same answer
+            assert alone.output_text == text and alone.previous_response_id == body["previous_response_id"]
+            if line["body"].get("store", True):
+                assert (await oai.responses.with_raw_response.retrieve(body["id"])).http_response.json() == body
+            else:
+                with pytest.raises(openai.NotFoundError):
+                    await oai.responses.retrieve(body["id"])
+        assert out[1]["response"]["body"]["metadata"] == {"k": "v"}
+        assert [(a["custom_id"], a["response"]["status_code"], a["response"]["body"]["error"]["param"]) for a in err] \
+            == [("streamed", 400, "stream"), ("background", 400, "background"),
+                ("unknown-previous", 404, "previous_response_id")]
+
+
 async def test_cancel_answers_every_line_once(redis_server, redis_client, batch_stack):
     lines = [chat_line(i, max_tokens=64, ignore_eos=True) for i in range(30)]
     async with gateway_in_process(settings(redis_server, batch_stack, batch_concurrency=2)) as gw:
@@ -158,15 +208,13 @@ async def test_malformed_lines_and_limits_are_reported(redis_server, batch_stack
                b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
                b'{"custom_id": "b", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n'
                b'{"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {}}\n'
-               b'{"custom_id": "d", "method": "POST", "url": "/v1/responses", "body": {}}\n'
                b'{"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": []}\n')
         with pytest.raises(openai.BadRequestError) as caught:
             await oai.files.create(file=("bad.jsonl", io.BytesIO(bad)), purpose="batch")
         body = caught.value.body
         assert body["code"] == "invalid_batch_file" and body["param"] == "file"
-        assert [e["line"] for e in body["lines"]] == [2, 3, 4, 5, 6, 7]
-        assert [e["param"] for e in body["lines"][1:]] == ["custom_id", "method", "url", "url", "body"]
-        assert "/v1/responses is not served in a batch yet" in body["message"]
+        assert [e["line"] for e in body["lines"]] == [2, 3, 4, 5, 6]
+        assert [e["param"] for e in body["lines"][1:]] == ["custom_id", "method", "url", "body"]
         with pytest.raises(openai.APIStatusError) as caught:
             await oai.files.create(file=("big.jsonl", io.BytesIO(jsonl([chat_line(i) for i in range(40)]))),
                                    purpose="batch")
@@ -175,7 +223,7 @@ async def test_malformed_lines_and_limits_are_reported(redis_server, batch_stack
             await oai.files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="fine-tune")
         assert caught.value.body["param"] == "purpose"
         good = await oai.files.create(file=("ok.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch")
-        for kwargs, param in ((dict(endpoint="/v1/responses"), "endpoint"), (dict(endpoint="/v1/embeddings"), "endpoint"),
+        for kwargs, param in ((dict(endpoint="/v1/embeddings"), "endpoint"),
                               (dict(completion_window="1h"), "completion_window")):
             with pytest.raises(openai.BadRequestError) as caught:
                 await oai.batches.create(**{"input_file_id": good.id, "endpoint": "/v1/chat/completions",

@@ -46,6 +46,10 @@ SCHEMAS = {
 }
 
 
+SCHEMA_LIMIT = 1500      # the worker's GRAMMAR_MAX_SCHEMA_BYTES here: every other schema here fits (<= ~0.7 KB)
+BIG = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(60)}}   # ~1.9 KB
+
+
 @pytest.fixture(scope="module")
 def tool_model_dir(tmp_path_factory):
     return make_tool_model_dir(tmp_path_factory.mktemp("tool-model") / "qwen2")
@@ -54,7 +58,7 @@ def tool_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tool_stack(redis_server, tool_model_dir, tmp_path_factory):
     with prefix_with_worker(redis_server.url, tool_model_dir, tmp_path_factory.mktemp("tool-logs"),
-                            name="w-tools") as prefix:
+                            name="w-tools", env={"GRAMMAR_MAX_SCHEMA_BYTES": SCHEMA_LIMIT}) as prefix:
         yield prefix
 
 
@@ -146,6 +150,24 @@ async def test_a_bad_response_format_is_a_typed_400(gw, fmt):
         assert body["type"] == "invalid_request_error" and body["param"] == "response_format", body
 
 
+async def test_a_schema_over_the_size_limit_is_a_typed_400_naming_its_field(gw):
+    """GRAMMAR_MAX_SCHEMA_BYTES refuses in the worker, before any compile: a 400 whose `param` is
+    the field the schema came from (`tools` for a forced call's), streamed or not."""
+    big_fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": BIG}}
+    big_tool = {"type": "function", "function": {"name": "big", "parameters": BIG}}
+    for fields, param in (({"response_format": big_fmt}, "response_format"),
+                          ({"tools": [big_tool], "tool_choice": "required"}, "tools")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                r = await chat(gw, stream=stream, **fields)
+                if stream:
+                    async for _ in r:
+                        pass
+            body = info.value.body
+            assert (body["type"], body["param"]) == ("invalid_request_error", param), body
+            assert "GRAMMAR_MAX_SCHEMA_BYTES" in body["message"] and str(SCHEMA_LIMIT) in body["message"], body
+
+
 # ---------------------------------------------------------------- tools
 
 def check_call(name: str, arguments: str) -> None:
@@ -155,6 +177,10 @@ def check_call(name: str, arguments: str) -> None:
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 async def test_a_forced_call_is_made_and_validates(gw, choice):
+    """A forced call is made, validates and streams the same; also with a `response_format` beside
+    it, accepted as OpenAI accepts it (the Agents SDK sends its output_type so) and changing
+    nothing: a forced turn has no text to format."""
+    made = []
     for seed in (1, 2, 3):
         r = await chat(gw, tools=[WEATHER, TIME], tool_choice=choice, temperature=1.0, seed=seed)
         msg = r.choices[0].message
@@ -168,6 +194,11 @@ async def test_a_forced_call_is_made_and_validates(gw, choice):
                                                         temperature=1.0, seed=seed)
         assert content == "" and finish == "tool_calls" and list(calls) == [0]
         assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
+        made.append(call.function)
+    r = await chat(gw, tools=[WEATHER, TIME], tool_choice=choice, temperature=1.0, seed=1,
+                   response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "tool_calls" and [c.function for c in r.choices[0].message.tool_calls] \
+        == made[:1]
 
 
 async def test_auto_and_none(gw):
@@ -233,7 +264,6 @@ async def test_tool_results_go_back_to_the_model(gw, tool_model_dir):
     ({"tool_choice": "required"}, "tool_choice"),                                    # no tools
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 async def test_bad_tools_are_typed_400s(gw, fields, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -348,5 +378,80 @@ async def test_websocket_generate_takes_response_format(gw):
         await ws.send(type="generate", id="j2", messages=CHAT, response_format={"type": "json_schema"})
         err = await ws.recv("j2")
         assert err["type"] == "error" and err["code"] == "invalid_request" and "response_format" in err["message"]
+        # refused by the worker (over GRAMMAR_MAX_SCHEMA_BYTES): a typed error naming the field
+        await ws.send(type="generate", id="j3", messages=CHAT,
+                      response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": BIG}})
+        _, done = await ws.until_done("j3")
+        error = done.get("error") or done
+        assert (error["code"], error.get("param")) == ("invalid_request", "response_format"), done
+        assert "GRAMMAR_MAX_SCHEMA_BYTES" in error["message"], done
     finally:
         await ws.close()
+
+
+async def tool_frames_until_done(ws: GatewayClient, id: str) -> list[dict]:
+    """Every frame of `id` until its `done`: chunks and typed tool frames, in order."""
+    frames = []
+    while not frames or frames[-1]["type"] != "done":
+        frames.append(await ws.recv(id, timeout=60))
+        assert frames[-1]["type"] != "error", frames[-1]
+    return frames
+
+
+def calls_of(frames: list[dict]) -> dict[int, dict]:
+    calls: dict[int, dict] = {}
+    for f in frames:
+        if f["type"] == "tool_call":
+            assert f["index"] not in calls, f
+            calls[f["index"]] = {"call_id": f["call_id"], "name": f["name"], "deltas": "", "done": None}
+        elif f["type"] == "tool_call_delta":
+            calls[f["index"]]["deltas"] += f["arguments"]
+        elif f["type"] == "tool_call_done":
+            assert calls[f["index"]]["done"] is None, f
+            calls[f["index"]]["done"] = f["arguments"]
+            assert f["call_id"] == calls[f["index"]]["call_id"] and f["name"] == calls[f["index"]]["name"]
+    return calls
+
+
+async def test_websocket_tool_calls_come_as_typed_frames_also_after_a_resume(gw):
+    """A generate with tools gets `tool_call` / `tool_call_delta` / `tool_call_done` frames
+    before the chunk (or `done`) whose `seq` they carry, the chunks still holding all the text;
+    a socket dropped after its first chunk and resumed on another misses none and gets none twice."""
+    ws = await GatewayClient.connect(gw.ws_url)
+    try:
+        await ws.send(type="generate", id="t1", messages=CHAT, max_tokens=200, temperature=0, tools=[WEATHER],
+                      tool_choice="required")
+        rid = (await ws.recv("t1"))["request_id"]
+        frames = await tool_frames_until_done(ws, "t1")
+    finally:
+        await ws.close()
+    for i, f in enumerate(frames):
+        if f["type"].startswith("tool_call"):
+            assert f["seq"] == next(g for g in frames[i:] if g["type"] in ("chunk", "done"))["seq"]
+    (call,) = calls_of(frames).values()
+    text = "".join(f["text"] for f in frames if f["type"] == "chunk")
+    assert json.loads(text) == {"name": "get_weather", "arguments": json.loads(call["done"])}
+    assert call["name"] == "get_weather" and call["call_id"].startswith("call_") and rid not in call["call_id"]
+    assert call["done"].startswith(call["deltas"]) and call["deltas"]
+    check_call("get_weather", call["done"])
+    assert frames[-1]["finish_reason"] == "stop"
+
+    first = await GatewayClient.connect(gw.ws_url)
+    await first.send(type="generate", id="t2", messages=CHAT, max_tokens=200, temperature=0, tools=[WEATHER],
+                     tool_choice="required")
+    rid2 = (await first.recv("t2"))["request_id"]
+    had = []
+    while not had or had[-1]["type"] != "chunk":
+        had.append(await first.recv("t2", timeout=60))
+    first.ws.transport.abort()                         # no close frame: a dropped connection
+    second = await GatewayClient.connect(gw.ws_url)
+    try:
+        await second.send(type="resume", id="t2", last_seq=had[-1]["seq"], request_id=rid2)
+        assert (await second.recv("t2"))["type"] == "accepted"
+        rest = await tool_frames_until_done(second, "t2")
+    finally:
+        await second.close()
+    (again,) = calls_of(had + rest).values()
+    assert again["done"] == call["done"] and again["deltas"] == call["deltas"]      # greedy: the same call
+    assert again["call_id"] != call["call_id"]                                       # (each request's own)
+    assert "".join(f["text"] for f in had + rest if f["type"] == "chunk") == text

@@ -33,11 +33,18 @@ CHUNK_TEXTS = ["", " plain", 'quote " and \\ backslash', "tab\tnew\nline\r\x00\x
 @pytest.mark.parametrize("text", CHUNK_TEXTS, ids=range(len(CHUNK_TEXTS)))
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
 def test_the_chunk_fast_path_writes_the_generic_paths_bytes(text, binary):
-    chunk = Chunk(id="r-1.a:b_c", seq=2 ** 40, text=text, tokens=7)
-    data = chunk.model_dump(mode="json", exclude_none=True)
-    generic = msgpack.packb(data, use_bin_type=True) if binary else json.dumps(data, separators=(",", ":"),
-                                                                               ensure_ascii=False)
-    assert encode_server(chunk, binary=binary) == generic
+    chunks = [Chunk(id="r-1.a:b_c", seq=2 ** 40, text=text, tokens=7)]
+    # every optional field set on its own takes the generic path (nothing of it is dropped)
+    for name, field in Chunk.model_fields.items():
+        if name not in ("v", "type", "id", "seq", "text", "tokens"):
+            value = "the prompt" if field.annotation == str | None else []
+            chunks.append(Chunk(id="r1", seq=3, text=text, tokens=1, **{name: value}))
+    assert len(chunks) >= 4
+    for chunk in chunks:
+        data = chunk.model_dump(mode="json", exclude_none=True)
+        generic = msgpack.packb(data, use_bin_type=True) if binary else json.dumps(data, separators=(",", ":"),
+                                                                                   ensure_ascii=False)
+        assert encode_server(chunk, binary=binary) == generic
 
 
 @pytest.mark.parametrize("obj", CLIENT_MESSAGES, ids=lambda o: o["type"])

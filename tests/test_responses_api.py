@@ -9,12 +9,17 @@ with the chat completion of the same prompt, and check shapes and exactness, not
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import shutil
+from pathlib import Path
+from typing import Annotated
 
 import openai
 import pytest
 from openai import AsyncOpenAI
+from pydantic import BaseModel, Field
 
 from tests.gateway_client import eventually
 from tests.stack_fixtures import gateway_in_process, gateway_settings, prefix_with_worker
@@ -201,7 +206,6 @@ async def test_langchain_chat_openai_on_the_responses_api(gw):
     next turn with the call's result, plain and streamed."""
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel, Field
 
     class get_weather(BaseModel):
         """The forecast for a city."""
@@ -226,3 +230,79 @@ async def test_langchain_chat_openai_on_the_responses_api(gw):
         streamed = chunk if streamed is None else streamed + chunk
     plain = await llm.ainvoke([HumanMessage(PROMPT)])
     assert streamed.text == plain.text and plain.text
+
+
+
+async def test_openai_agents_sdk_tool_round_trip(gw):
+    """The OpenAI Agents SDK (`openai-agents`): an `Agent` with a `function_tool` on the Responses
+    API runs the whole loop here: the model calls the tool (forced on the first turn, with the
+    agent's `output_type` sent as `text.format` beside it; the SDK resets `tool_choice` after a
+    tool ran), the SDK runs the tool and sends its output back as a `function_call_output`, and
+    the next turn answers in the output type's JSON (the grammar ends it). Plain, then streamed
+    (`Runner.run_streamed`, the SDK reading the typed events): the same run."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    set_tracing_disabled(True)           # no trace export to OpenAI's servers
+    ran: list[str] = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
+        """The forecast for a city."""
+        ran.append(city)
+        return f"sunny in {city}"
+
+    class Forecast(BaseModel):
+        sky: str = Field(max_length=12)
+
+    c = client(gw)
+    agent = Agent(name="forecaster", instructions="Answer with the forecast.", tools=[get_weather],
+                  output_type=Forecast, model=OpenAIResponsesModel(model=MODEL, openai_client=c),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=100))
+    result = await Runner.run(agent, PROMPT, max_turns=3)
+    call, output, answer = result.new_items
+    assert isinstance(call, ToolCallItem) and isinstance(output, ToolCallOutputItem)
+    assert isinstance(answer, MessageOutputItem) and isinstance(result.final_output, Forecast)
+    assert call.raw_item.name == "get_weather" and ran == [json.loads(call.raw_item.arguments)["city"]]
+    assert output.output == f"sunny in {ran[0]}"
+    # the server's side of the round trip: the second response got the tool's output for that call
+    first, second = (r.response_id for r in result.raw_responses)
+    assert [o.call_id for o in (await c.responses.retrieve(first)).output] == [call.raw_item.call_id]
+    sent = [i for i in (await c.responses.input_items.list(second, order="asc")).data
+            if i.type == "function_call_output"]
+    assert [(i.call_id, i.output) for i in sent] == [(call.raw_item.call_id, output.output)]
+    assert Forecast.model_validate_json((await c.responses.retrieve(second)).output_text) == result.final_output
+
+    streamed = Runner.run_streamed(agent, PROMPT, max_turns=3)
+    names = [e.name async for e in streamed.stream_events() if e.type == "run_item_stream_event"]
+    assert names == ["tool_called", "tool_output", "message_output_created"]
+    assert streamed.final_output == result.final_output and ran == [ran[0], ran[0]]
+
+
+NODE = shutil.which("node")
+NODE_DIR = Path(__file__).resolve().parent / "node"
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed (scripts/setup.sh installs it with npm)")
+async def test_node_sdk_background_stream_dropped_and_resumed(gw):
+    """The official `openai` npm package (tests/node, installed by scripts/setup.sh): a background
+    stream dropped after its first text delta and re-attached with `starting_after` gets exactly
+    the events after the last one it had; together they are the whole replay, ending as the poll."""
+    assert (NODE_DIR / "node_modules" / "openai").is_dir(), "tests/node is not installed: run scripts/setup.sh"
+    proc = await asyncio.create_subprocess_exec(
+        NODE, str(NODE_DIR / "background_resume.mjs"), gw.base + "/v1", KEYS["alice"], MODEL, PROMPT, "60",
+        cwd=NODE_DIR, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    got = json.loads(out)
+    first, rest, whole = got["first"], got["rest"], got["whole"]
+    assert first[0]["type"] == "response.created" and first[0]["response"]["background"]
+    assert first[-1]["type"] == "response.output_text.delta" and rest
+    assert first + rest == whole                       # nothing missed, nothing twice
+    assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+    assert whole[-1]["type"] in ("response.completed", "response.incomplete")
+    polled = got["polled"]
+    text = "".join(e["delta"] for e in whole if e["type"] == "response.output_text.delta")
+    assert polled.pop("output_text") == text           # (the SDK's own reading of the output)
+    assert whole[-1]["response"] == polled
+    assert text == await chat_text(gw, [{"role": "user", "content": PROMPT}], max_tokens=60)

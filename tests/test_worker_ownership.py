@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import time
 from dataclasses import dataclass
+
+import redis.asyncio as aioredis
 
 from shared.aio import cancel_and_wait
 from shared.config import Settings
 from shared.events import DoneEvent, DoneUsage, TokEvent
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str
+from shared.localredis import LocalRedis
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, RequestEntry, as_str
 from tests.gateway_client import eventually
 from tests.worker_redis import meta_of, new_rid, pending_after_acks, read_events, submit
+from worker.engine import StepOutput
 from worker.engine_thread import EngineThread
 from worker.events import InFlight, Progress
 from worker.inflight import InFlightTable, Stats
 from worker.intake import Intake
 from worker.leases import Leases
 from worker.output_writer import OutputWriter
-from worker.ownership import Finished, Held, Ownership, Taken, keep_fresh_interval, lease_ms
+from worker.ownership import Finished, Held, Kept, Ownership, Taken, keep_fresh_interval, lease_ms
 from worker.synthetic import SyntheticEngine
 
 
@@ -49,8 +55,10 @@ async def test_a_worker_takes_a_request_only_unowned_its_own_or_after_its_owners
     keys, s = Keys(stream_prefix), settings(stream_prefix)
     wa, wb = Ownership(redis_client, keys, s, "wa"), Ownership(redis_client, keys, s, "wb")
     # unowned: taken at epoch 1, with a lease on Redis's clock
+    sent = time.monotonic()
     got = await wa.take("r", key_id="k", gw="g")
     assert isinstance(got, Taken) and (got.epoch, got.gw, got.att, got.cancelled, got.history) == (1, "g", 0, False, [])
+    assert sent <= got.lease_until - 1.5 <= time.monotonic()        # our deadline: from when TAKE was sent
     meta, now = await meta_of(redis_client, keys, "r"), await redis_ms(redis_client)
     assert (meta["owner"], meta["key"], meta["gw"], meta["epoch"]) == ("wa", "k", "g", "1")
     assert now < int(meta["lease"]) <= now + 1500
@@ -88,16 +96,21 @@ async def test_keep_extends_only_its_own_lease_and_tells_a_moved_epoch(redis_cli
     st = InFlight.start("r", "1-0", None, Progress(), epoch=(await wa.take("r")).epoch)
     lease = int((await meta_of(redis_client, keys, "r"))["lease"])
     await asyncio.sleep(0.02)
-    assert await wa.keep([st]) == [0]
+    sent = time.monotonic()
+    [kept] = await wa.keep([st])
+    assert not kept.taken_over and not kept.cancelled
+    # renewed: its deadline on our clock counts from when the round was sent, not from the reply
+    assert sent <= kept.lease_until - wa.lease_ms / 1000 <= time.monotonic()
     assert int((await meta_of(redis_client, keys, "r"))["lease"]) > lease
     await redis_client.set(keys.cancel("r"), 1)
-    assert await wa.keep([st]) == [1]                              # the cancel flag, read with it
-    # wb's keep of a request it does not own at that epoch extends nothing
-    assert await wb.keep([st]) == [1]
+    [kept] = await wa.keep([st])
+    assert kept.cancelled and kept.lease_until is not None         # the cancel flag, read with it
+    # wb's keep of a request it does not own at that epoch extends nothing (no deadline for it)
+    assert await wb.keep([st]) == [Kept(False, True, None)]
     assert (await meta_of(redis_client, keys, "r"))["owner"] == "wa"
-    # another worker took it over (epoch 2): -1, and its lease is not touched
+    # another worker took it over (epoch 2): taken over, and its lease is not touched
     await redis_client.hset(keys.meta("r"), mapping={"owner": "wb", "epoch": 2, "lease": 5})
-    assert await wa.keep([st]) == [-1]
+    assert await wa.keep([st]) == [Kept(True, False, None)]
     assert (await meta_of(redis_client, keys, "r"))["lease"] == "5"
     # hand back clears owner and lease only while they are still ours at our epoch
     theirs = InFlight.start("r", "1-0", None, Progress(), epoch=2)
@@ -173,7 +186,7 @@ async def test_an_entry_for_a_request_a_live_worker_holds_is_left_to_it_without_
         assert await redis_client.hgetall(keys.meta(rid)) == before
         st = InFlight.start(rid, entry_id, None, Progress(), epoch=1)
         async def settled() -> bool:
-            assert await owner.keep([st]) == [0]                  # wa's keep-fresh round
+            assert not (await owner.keep([st]))[0].taken_over    # wa's keep-fresh round
             await wb.intake.recheck_contested()                   # wb's claim loop
             return not wb.intake.contested()
         assert await eventually(settled, timeout=10, interval=0.1)
@@ -231,3 +244,85 @@ async def test_keep_fresh_takes_back_an_entry_another_consumer_claimed_and_drops
         assert int((await meta_of(redis_client, keys, kept))["lease"]) > lease
         assert wa.rids() == {kept} and wa.stats.dropped == 1
         assert (await meta_of(redis_client, keys, lost))["owner"] == "wc"
+
+
+async def test_a_redis_paused_past_the_lease_cannot_stretch_the_owners_deadline():
+    """Issue 34 item 5. A keep-fresh round sent while Redis is stopped (SIGSTOP) and answered
+    after more than a lease: the owner's deadline counts from when the round was SENT, so the
+    late reply leaves the lease lapsed on the owner's clock. Meanwhile the output writer holds the
+    request's output (nothing written, nothing dropped); the next round, answered in time, lets
+    it out: every token once, in order, one epoch."""
+    server = LocalRedis().start()        # its own server: this test stops it
+    redis = aioredis.from_url(server.url)
+    s = settings("lease", worker_ttl_s=0.8, worker_heartbeat_s=0.2)      # a 0.6 s lease
+    lease_s = lease_ms(s) / 1000
+    keys, stats = Keys("lease"), Stats()
+    table = InFlightTable(EngineThread(SyntheticEngine(max_batch=1, step_ms=5), max_prompt_tokens=100, buffer_max=64),
+                          capacity=1, queue_depth=0, stats=stats)
+    own = Ownership(redis, keys, s, "wa")
+    leases = Leases(redis=redis, keys=keys, settings=s, worker_id="wa", ownership=own, table=table,
+                    engine=table.engine, stats=stats)
+    writer = OutputWriter(redis, keys, s, "wa", on_lapsed=leases.renew_soon)
+    try:
+        rid = new_rid()
+        await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+        entry_id, fields = await delivered(redis, keys, "wa", rid, max_tokens=3)
+        got = await own.take(rid, gw="g")
+        st = InFlight.start(rid, entry_id, RequestEntry.decode(fields[ENTRY_FIELD]), Progress(), epoch=got.epoch,
+                            lease_until=got.lease_until)
+        table.add(st)
+        st.add_output(StepOutput(rid, " a", [1], False, None, 1, 1))
+        await writer.commit([st])
+        assert st.written_seq == 1
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            before = time.monotonic()
+            keeping = asyncio.create_task(leases.keep_fresh_once())   # sent now; answered after the pause
+            # Redis stays stopped for two leases: our deadline passes on our own clock meanwhile
+            assert await eventually(lambda: time.monotonic() > before + 2 * lease_s, timeout=30)
+            assert table.lease_lapsed(time.monotonic()) == 1
+        finally:
+            resumed = time.monotonic()
+            server.proc.send_signal(signal.SIGCONT)
+        await keeping
+        # the reply came after the round's deadline: it renewed nothing on our clock (a deadline
+        # counted from the reply would run to resumed + lease)
+        assert before + lease_s <= st.lease_until < resumed and not st.may_write(time.monotonic())
+        # so the writer holds the output: nothing written, nothing dropped, a renewal asked for
+        st.add_output(StepOutput(rid, " b", [2], False, None, 1, 2))
+        assert await writer.commit([st]) == [] and st.written_seq == 1 and len(st.unsent) == 1
+        assert writer.stats["lease_lapses"] == 1 and st.lease_lapsed
+        assert [as_str(i) for i, _ in await redis.xrange(keys.out(rid))] == ["1-0"]
+        await leases.keep_fresh_once()                                # a round answered in time
+        assert st.may_write(time.monotonic()) and not st.lease_lapsed
+        st.add_output(StepOutput(rid, " c", [3], True, "length", 1, 3))
+        assert await writer.commit([st]) == [st]
+        events = await read_events(redis, keys, rid, timeout=5)
+        assert [(e["k"], e["seq"]) for e in events] == [("tok", 1), ("tok", 2), ("tok", 3), ("done", 3)]
+        assert "".join(e.get("text", "") for e in events) == " a b c" and {e["ep"] for e in events} == {1}
+        assert stats.dropped == 0 and writer.stats["fenced"] == 0
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        await redis.aclose()
+        server.stop()
+
+
+async def test_keep_tells_a_lease_that_redis_refused_to_extend():
+    """Redis full (`noeviction`): KEEP still answers, but its HSET of the lease is refused. The
+    owner is told (the output writer counts it as a refused write, so the request is given up
+    like any other Redis refuses), and the deadline is not moved."""
+    server = LocalRedis().start()        # its own server: this test fills it
+    redis = aioredis.from_url(server.url)
+    try:
+        keys, s = Keys("full"), settings("full")
+        own = Ownership(redis, keys, s, "wa")
+        st = InFlight.start("r", "1-0", None, Progress(), epoch=(await own.take("r")).epoch)
+        await redis.config_set("maxmemory-policy", "noeviction")
+        await redis.config_set("maxmemory", str(int((await redis.info("memory"))["used_memory"]) // 2))
+        assert await own.keep([st]) == [Kept(False, False, None, True)]
+        await redis.config_set("maxmemory", "0")
+        [kept] = await own.keep([st])
+        assert kept.lease_until is not None and not kept.refused
+    finally:
+        await redis.aclose()
+        server.stop()

@@ -75,6 +75,10 @@ class EngineThread:
         self.telemetry = Telemetry()
         self._telemetry_lock = threading.Lock()
         self._tokenizing: ThreadPoolExecutor | None = None   # tokenize requests (started on first use)
+        # structured output: grammars compile on threads of their own; a finished one wakes the
+        # loop, which steps only when the engine has something to do without waiting for one
+        if hasattr(engine, "on_compiled"):
+            engine.on_compiled(self._wake)
 
     # ---- called from the asyncio side -----------------------------------------------------
 
@@ -102,7 +106,24 @@ class EngineThread:
 
     def take_telemetry(self) -> Telemetry:
         with self._telemetry_lock:
-            return self.telemetry.take()
+            out = self.telemetry.take()
+        if hasattr(self.engine, "take_grammar_records"):
+            out.compiles, out.refusals = self.engine.take_grammar_records()
+        return out
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _ready(self) -> bool:
+        """The engine can step now without waiting (the synthetic engine: whenever it has work)."""
+        ready = getattr(self.engine, "ready", None)
+        return ready() if ready is not None else self.engine.has_work
+
+    def _idle_wait_s(self) -> float:
+        """How long the loop may sleep: until the next gauge sample or compile deadline."""
+        deadline = getattr(self.engine, "compile_deadline", lambda: None)()
+        return GAUGES_EVERY_S if deadline is None else max(0.0, min(GAUGES_EVERY_S, deadline - time.monotonic()))
 
     def tokenize_in_thread(self, request: dict) -> Future:
         """worker.tokenization.answer with the engine's tokenizer, on one thread of its own (not
@@ -131,8 +152,8 @@ class EngineThread:
         while True:
             with self._cond:
                 while not self._stop and (self._buffered >= self.buffer_max
-                                          or (not self._inbox and not self.engine.has_work)):
-                    self._cond.wait(GAUGES_EVERY_S)
+                                          or (not self._inbox and not self._ready())):
+                    self._cond.wait(self._idle_wait_s())
                     with self._telemetry_lock:     # idle: the gauges still follow (e.g. blocks now cached)
                         self.telemetry.sample_gauges(self.engine, time.monotonic())
                 if self._stop:
@@ -145,7 +166,7 @@ class EngineThread:
                     produced.extend(self._apply(command))
                 except Exception:
                     log.exception("engine command %r failed", command)
-            if self.engine.has_work:
+            if self._ready():
                 started = time.perf_counter()
                 try:
                     produced.extend(self.engine.step())
@@ -200,7 +221,8 @@ class EngineThread:
             return []
         entry = command.entry
         try:
-            ids = build_prompt_ids(self.engine.tokenizer, entry.prompt, entry.messages, entry.tools)
+            ids = list(entry.prompt_ids) if entry.prompt_ids is not None else \
+                build_prompt_ids(self.engine.tokenizer, entry.prompt, entry.messages, entry.tools)
         except Exception as exc:
             return [error_output(entry.rid, ErrorCode.INVALID_REQUEST, f"could not build the prompt: {exc}")]
         if len(ids) > self.max_prompt_tokens:
@@ -209,7 +231,8 @@ class EngineThread:
         try:
             self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,
                                           priority=entry.priority, generated_ids=list(command.generated_ids),
-                                          ignore_eos=entry.params.ignore_eos, cache_salt=entry.cache_salt))
+                                          ignore_eos=entry.params.ignore_eos, cache_salt=entry.cache_salt,
+                                          prompt_text=entry.prompt))
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids), param=exc.param)]
         except Exception as exc:  # a bug or odd input must fail this request only

@@ -78,6 +78,9 @@ class InFlight:
     retry_at: float = 0.0
     given_up: bool = False
     fenced: bool = False                 # another worker took it over: write nothing more
+    lease_until: float = float("inf")    # time.monotonic() until which our ownership lease surely holds
+    lease_lapsed: bool = False           # that deadline passed unrenewed: its output is held (worker.leases)
+    lease_refused: bool = False          # the last keep-fresh round found Redis refusing to extend it (OOM)
     ttl_set: bool = False                # this run has set the history stream's TTL
     acked: bool = False                  # its request entry is acked (by the history script with its final)
     dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
@@ -85,10 +88,16 @@ class InFlight:
 
     @classmethod
     def start(cls, rid: str, entry_id: str, entry: RequestEntry | None, progress: Progress, *,
-              epoch: int = 0, gw: str = "", key_id: str = "", worker: str = "") -> "InFlight":
+              epoch: int = 0, gw: str = "", key_id: str = "", worker: str = "",
+              lease_until: float = float("inf")) -> "InFlight":
         return cls(rid=rid, entry_id=entry_id, entry=entry, key_id=key_id or (entry.key_id if entry else ""),
                    gw=gw or (entry.gw if entry else ""), epoch=epoch, seq=progress.seq, written_seq=progress.seq,
-                   worker=worker)
+                   worker=worker, lease_until=lease_until)
+
+    def may_write(self, now: float) -> bool:
+        """Whether our lease surely still holds (worker.ownership: `lease_until`): past it,
+        unrenewed, nothing of this request is written until a keep-fresh round renews it."""
+        return now < self.lease_until
 
     # ---- what the engine produced ----
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 from shared.config import Settings
-from shared.streams import CONSUMER_GROUP, Keys
-
-INBOX_MAXLEN = 10000             # entries; each holds one flush's events for one gateway
+from shared.streams import CONSUMER_GROUP, INBOX_MAXLEN, Keys
 
 # KEYS: out1, meta1, out2, meta2, ... ARGV: maxlen, ttl_s, worker_id, then per request from `a`:
 # epoch, final(0/1), set_ttl(0/1), n, id1, payload1, ... id_n, payload_n.

@@ -86,6 +86,12 @@ class InFlightTable:
     def running_count(self) -> int:
         return sum(1 for st in self._requests.values() if not st.engine_done)
 
+    def lease_lapsed(self, now: float) -> int:
+        """Requests whose output is held because our lease on them passed its deadline
+        unrenewed (worker.ownership, `lease_until`). Safe from the metrics thread (one C-level copy)."""
+        return sum(1 for st in list(self._requests.values())
+                   if not st.may_write(now) and not st.final_written and not st.fenced)
+
     @property
     def unhealthy(self) -> str:
         """Why the engine cannot serve ("" when it can): every step fails."""

@@ -5,11 +5,13 @@ TAKE), but it has to be kept for as long as the request runs here, and given up 
 this worker cannot run it. Both act on the same two things, the lease in the request's meta
 and the entry in our pending list (PEL); meta is the truth, and the PEL follows it.
 
-* keep-fresh (every `keep_fresh_interval`): per request we own, extend the lease and read the
-  cancel flag (worker.ownership's KEEP); a request whose epoch moved on was taken over: dropped
-  here. Then XCLAIM ... JUSTID of every entry we own: resets its idle time (a slow but healthy
-  worker's requests are never claimed away), and brings back one another consumer claimed (that
-  worker found our lease alive and left the request to us);
+* keep-fresh (every `keep_fresh_interval`, or at once when the output writer finds a lease
+  past its deadline): per request we own, extend the lease and read the cancel flag
+  (worker.ownership's KEEP), and move the request's `lease_until` to that round's deadline
+  (counted from when it was sent, so a stalled Redis cannot stretch it); a request whose epoch
+  moved on was taken over: dropped here. Then XCLAIM ... JUSTID of every entry we own: resets
+  its idle time (a slow but healthy worker's requests are never claimed away), and brings back
+  one another consumer claimed (that worker found our lease alive and left the request to us);
 * hand back (drain, a dead or unhealthy engine, entries we cannot run): XCLAIM the entries to
   ourselves with an IDLE far above claim_idle_ms, so the next XAUTOCLAIM elsewhere takes them
   at once, and clear owner and lease of the requests (RELEASE, only while still ours).
@@ -22,6 +24,7 @@ import logging
 import time
 from typing import Sequence
 
+from shared.aio import wait_event
 from shared.config import Settings
 from shared.logs import rid_of
 from shared.streams import CONSUMER_GROUP, Keys
@@ -45,13 +48,19 @@ class Leases:
         self.table = table
         self.engine = engine
         self.stats = stats
+        self._renew = asyncio.Event()    # a lease passed its deadline: renew now, not at the next interval
 
     # ---- keep-fresh -------------------------------------------------------------------------
+
+    def renew_soon(self, st: InFlight | None = None) -> None:
+        """A lease of ours passed its deadline unrenewed (its output is held): run a round now."""
+        self._renew.set()
 
     async def keep_fresh_loop(self) -> None:
         interval = self.ownership.interval
         while True:
-            await asyncio.sleep(interval)
+            await wait_event(self._renew, interval)
+            self._renew.clear()
             if len(self.table):
                 # retried at this loop's own pace during an outage: when Redis is back, our
                 # entries and leases are fresh again within `interval`, inside the window peers
@@ -65,17 +74,27 @@ class Leases:
         if not states:
             return
         verdicts = await self.ownership.keep(states)
-        kept = []
+        kept, renewed = [], 0
         for st, verdict in zip(states, verdicts):
-            if verdict < 0:              # its epoch moved on: another worker took it over
+            if verdict.taken_over:       # its epoch moved on: another worker took it over
                 if self.table.holds(st) and not st.final_written:
                     log.warning("request %s was taken over by another worker (meta.epoch is past %d); dropping it "
                                 "here", st.rid, st.epoch, extra=rid_of(st.rid))
                     self.table.drop(st)
                 continue
             kept.append(st)
-            if verdict == 1 and self.table.holds(st) and not st.engine_done:
+            st.lease_refused = verdict.refused
+            if verdict.lease_until is not None and verdict.lease_until > st.lease_until:
+                st.lease_until = verdict.lease_until
+                if st.lease_lapsed and st.may_write(time.monotonic()):
+                    st.lease_lapsed = False
+                    renewed += 1
+            if verdict.cancelled and self.table.holds(st) and not st.engine_done:
                 self.engine.submit(Cancel(st.rid, received_at=time.time()))
+        if renewed:
+            log.info("%d request(s) whose output was held for their lease: renewed, writing again", renewed)
+        if any(st.lease_lapsed and not st.may_write(time.monotonic()) for st in kept):
+            self._renew.set()            # renewed, but its reply came after the deadline: again
         if kept:
             # an entry another consumer claimed comes back to us (that worker found our lease
             # alive and left the request to us); our own get their idle time reset

@@ -38,13 +38,15 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+GRAMMAR_REFUSALS = ("too_large", "timeout", "invalid")    # worker.engine.grammar_compile.REASONS
 
 
 class WorkerMetrics:
     def __init__(self, *, sources: Callable[[], dict] | None = None):
         """`sources`: returns the live objects the scrape-time collector reads (`engine`, `stats`,
-        `writer_stats`, `redis_errors`, `kv_block_tokens`, `max_batch`); None for a registry without them
-        (the metric names alone, e.g. for dashboard checks)."""
+        `writer_stats`, `redis_errors`, `kv_block_tokens`, `max_batch`, `lease_lapsed`); None for a
+        registry without them (the metric names alone, e.g. for dashboard checks)."""
         self.registry = r = CollectorRegistry()
         self.sources = sources
         ProcessCollector(registry=r)
@@ -72,6 +74,9 @@ class WorkerMetrics:
                                          "copies, acks)", buckets=COMMIT_BUCKETS, registry=r)
         self.commit_requests = Histogram("worker_output_commit_requests", "requests written by one output commit",
                                          buckets=BATCH_BUCKETS, registry=r)
+        self.grammar_compile = Histogram("worker_grammar_compile_seconds", "one structured-output schema compiled "
+                                         "(beside the engine; a cache hit takes ~0)", buckets=COMPILE_BUCKETS,
+                                         registry=r)
         for kind in ("prefill", "decode"):      # present from the start (dashboards: no "no data")
             self.iteration_tokens.labels(kind)
             self.step_duration.labels(kind)
@@ -80,6 +85,7 @@ class WorkerMetrics:
         self.generation_tokens = 0
         self.cancels = 0
         self.finished: dict[str, int] = {}
+        self.grammar_refused = dict.fromkeys(GRAMMAR_REFUSALS, 0)
         self.telemetry = Telemetry()       # the latest engine gauges
         r.register(_ScrapeCollector(self))
         self._server: WSGIServer | None = None
@@ -104,6 +110,10 @@ class WorkerMetrics:
         for seconds in telemetry.cancels:
             self.cancel_latency.observe(seconds)
         self.cancels += len(telemetry.cancels)
+        for seconds in telemetry.compiles:
+            self.grammar_compile.observe(seconds)
+        for reason in telemetry.refusals:
+            self.grammar_refused[reason] = self.grammar_refused.get(reason, 0) + 1
         self.telemetry.merge(Telemetry(running=telemetry.running, waiting=telemetry.waiting,
                                        kv_cached=telemetry.kv_cached, sampled_at=telemetry.sampled_at))
 
@@ -176,6 +186,12 @@ class _ScrapeCollector:
         for reason in ("stop", "length", "cancelled", "error"):
             done.add_metric([reason], m.finished.get(reason, 0))
         yield done
+        refused = CounterMetricFamily("worker_grammar_compile_refused", "structured-output requests refused for "
+                                      "their schema, by reason: too_large (GRAMMAR_MAX_SCHEMA_BYTES), timeout "
+                                      "(GRAMMAR_COMPILE_TIMEOUT_S), invalid (xgrammar cannot use it)", labels=["reason"])
+        for reason, count in m.grammar_refused.items():
+            refused.add_metric([reason], count)
+        yield refused
         running = GaugeMetricFamily("worker_num_requests_running", "requests in the engine's running batch, by lane",
                                     labels=["lane"])
         waiting = GaugeMetricFamily("worker_num_requests_waiting", "requests queued in the engine, by lane",
@@ -213,6 +229,11 @@ class _ScrapeCollector:
                      1.0 if healthy else 0.0)
         yield _counter("worker_fenced_writes", "writes refused because another worker took the request over",
                        writer_stats.get("fenced", 0))
+        yield _counter("worker_lease_lapses", "times a request's ownership lease passed its deadline (counted "
+                       "from when its renewal was sent) unrenewed, so its output was held",
+                       writer_stats.get("lease_lapses", 0))
+        yield _gauge("worker_requests_lease_lapsed", "requests whose output is held now: their ownership lease passed "
+                     "its deadline unrenewed (Redis stalled past the lease)", float(src.get("lease_lapsed") or 0))
         yield _counter("worker_continuations", "requests continued after another worker's failure",
                        getattr(stats, "continued", 0))
         yield _counter("worker_claims", "entries taken over from other workers (dead, handed back)",

@@ -37,6 +37,14 @@ How many round trips that takes:
 Batching requests into calls matters at GPU speed: a commit writes every request with news, and
 redis-py spends ~10 µs of client CPU per command in a pipeline however small it is.
 
+Ownership deadline: a request is written only while this worker's lease on it surely holds
+(`InFlight.may_write`: before the deadline its last take or keep-fresh round set, counted from
+when that round was sent; worker.ownership). Past it, unrenewed (Redis stalled longer than the
+lease, or this process was starved), its events and markers stay queued, not refused and not
+dropped, and keep-fresh is asked to renew at once (`on_lapsed`); a renewal lets them go out, a
+takeover drops the request. So a worker never emits for a request it cannot be sure it owns. A
+lease Redis answered it would not extend (refusing writes) counts as a refused write (below).
+
 Failures: a transient error (connection lost) raises, nothing is dropped, the caller retries
 with backoff (a retried history write is idempotent, a retried live copy de-duplicated). A
 request whose write Redis refuses (e.g. OOM under `maxmemory` + `noeviction`)
@@ -69,12 +77,12 @@ from shared.config import Settings
 from shared.aio import wait_event
 from shared.errors import ErrorCode
 from shared.events import AttachMarker
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, Keys, as_str, pack_event_list
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, INBOX_MAXLEN, Keys, as_str, pack_event_list
 from shared.logs import rid_of
 from worker.engine import StepOutput
 from worker.events import InFlight
 from worker.failover import DEAD_MAXLEN
-from worker.history_scripts import HISTORY_AND_LIVE, HISTORY_APPEND, INBOX_MAXLEN, fused_call, history_call
+from worker.history_scripts import HISTORY_AND_LIVE, HISTORY_APPEND, fused_call, history_call
 from worker.redis_io import TRANSIENT, count_error
 
 log = logging.getLogger("worker.output")
@@ -82,6 +90,7 @@ log = logging.getLogger("worker.output")
 MAX_WRITE_FAILURES = 8           # refused writes (with backoff, ~5 s) before a request is given up
 INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
 ROUND_TRIP_TIMEOUT_S = 10.0      # one commit round trip (its client has no per-reply timeout)
+LAPSE_RECHECK_S = 0.02           # WORKER_FLUSH_MS=0: a request held for its lease is looked at again after this
 
 # requests per history script call on a single Redis. Each call writes one inbox entry per gateway,
 # and a gateway's blocked XREAD is answered after the first call, so a flush split over calls
@@ -108,7 +117,8 @@ class OutputWriter:
                  on_give_up: Callable[[InFlight], None] = lambda st: None,
                  on_done: Callable[[list[InFlight]], None] = lambda done: None,
                  on_fenced: Callable[[InFlight], None] = lambda st: None,
-                 on_commit: Callable[[float, int], None] = lambda seconds, requests: None):
+                 on_commit: Callable[[float, int], None] = lambda seconds, requests: None,
+                 on_lapsed: Callable[[InFlight], None] = lambda st: None):
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -117,6 +127,7 @@ class OutputWriter:
         self.on_done = on_done                # called with the requests a commit completed
         self.on_fenced = on_fenced            # called with a request another worker took over
         self.on_commit = on_commit            # (seconds, requests) of each commit (metrics)
+        self.on_lapsed = on_lapsed            # called with a request whose lease passed its deadline unrenewed
         self._live_backlog: dict[str, list[bytes]] = {}   # live copies a connection error kept back
         self.lock = asyncio.Lock()            # one commit at a time: events of a request stay in order
         self._sha: str | None = None          # the loaded history script (None: load it, and learn the mode)
@@ -124,7 +135,7 @@ class OutputWriter:
         self._slots = False                   # Redis enforces slots (learnt once, or from a CROSSSLOT refusal)
         self._per_call = HISTORY_BATCH         # requests per history script call (1 where slots are enforced)
         self._inbox_ttl_at: dict[str, float] = {}
-        self.stats = {"commits": 0, "events": 0, "refused": 0, "given_up": 0, "fenced": 0}
+        self.stats = {"commits": 0, "events": 0, "refused": 0, "given_up": 0, "fenced": 0, "lease_lapses": 0}
 
     # ---- the commit -------------------------------------------------------------------------
 
@@ -142,13 +153,17 @@ class OutputWriter:
     async def _commit(self, states: list[InFlight], dead_letters: list[DeadLetter]) -> list[InFlight]:
         now = time.monotonic()
         states = [st for st in states if not st.fenced]
-        writing: list[tuple[InFlight, list]] = []
         for st in states:
             st.freeze()
-            if st.unsent and st.retry_at <= now:
-                writing.append((st, list(st.unsent)))
+        held = [st for st in states if not st.may_write(now) and (st.unsent or st.marker_att is not None)]
+        if held:
+            self._lapsed(held, now)
+        for st in held:     # Redis answered but refused to extend the lease: as good as a refused write
+            if st.lease_refused and st.retry_at <= now:
+                self._refused(st, ResponseError("OOM Redis refused to extend this request's lease"), now)
+        writing = [(st, list(st.unsent)) for st in states if st.unsent and st.retry_at <= now and st.may_write(now)]
         # attach markers are built before the history write: "everything <= S is in history"
-        markers = {st.rid: st.marker() for st in states if st.gw and st.marker_att is not None}
+        markers = {st.rid: st.marker() for st in states if st.gw and st.marker_att is not None and st.may_write(now)}
         if self._sha is None:
             async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
                 await self._load_script()
@@ -300,6 +315,19 @@ class OutputWriter:
                     extra=rid_of(st.rid))
         self.on_fenced(st)
 
+    def _lapsed(self, held: list[InFlight], now: float) -> None:
+        """Our leases on `held` passed their deadlines unrenewed: hold their output (it stays
+        queued) and have keep-fresh renew the leases now."""
+        new = [st for st in held if not st.lease_lapsed]
+        for st in new:
+            st.lease_lapsed = True
+        if new:
+            self.stats["lease_lapses"] += len(new)
+            log.warning("%d request(s): our lease passed its deadline unrenewed (up to %.2f s ago: Redis stalled?); "
+                        "holding their output until it is renewed", len(new), max(now - st.lease_until for st in new))
+        for st in held:
+            self.on_lapsed(st)
+
     def _refused(self, st: InFlight, exc: Exception, now: float) -> None:
         count_error(exc)
         st.failures += 1
@@ -344,7 +372,8 @@ class OutputWriter:
             if not any(st.has_news or st.final_written for st in states.values()):
                 timeout = 1.0                                   # idle: wait for the engine
             elif flush_s == 0:                                  # per step; refused writes back off
-                retry = [st.retry_at for st in states.values() if st.unsent]
+                retry = [st.retry_at if st.may_write(now) else now + LAPSE_RECHECK_S    # held: not every step
+                         for st in states.values() if st.unsent or st.marker_att is not None]
                 timeout = max(0.001, min(retry) - now) if retry and not wake.is_set() else 0.0
             else:
                 timeout = next_tick - now

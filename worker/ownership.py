@@ -25,11 +25,23 @@ keep-fresh intervals. A worker's last lease refresh comes at most one heartbeat 
 its last heartbeat, so by the time survivors judge a dead owner dead (no heartbeat for
 WORKER_TTL_S) its leases have lapsed; a live owner refreshes every keep-fresh interval (0.5 s),
 so its lease survives a stall of a whole interval or more.
+
+The owner's own view of its lease (`lease_until`, on its monotonic clock): what Redis says
+holds for Redis, but a worker acts on its belief, and a stalled round trip stretches any belief
+taken from a reply. So each take and each keep tells the worker the deadline
+`sent + lease_ms`, counted from when the script was SENT: Redis ran it no earlier, so its lease
+ends no earlier, however long the reply took (a Redis paused past the lease, a slow network).
+A worker writes a request's output only before that deadline (worker.output_writer); past it,
+unrenewed, it holds the output until a keep confirms that it still owns the request (epoch
+unchanged: nobody took it meanwhile, since a take bumps the epoch) or tells it that it lost it.
+The epoch fence in Redis refuses a stale writer anyway; the deadline makes the worker stop by
+itself, on its own clock, instead of counting on being refused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -71,17 +83,20 @@ return {'TAKEN', epoch, gw_att[1], gw_att[2], cancelled, history}
 """
 
 # KEYS: meta, cancel. ARGV: worker, epoch, lease_ms, ttl_s. Returns -1 when meta.epoch is not ARGV[2] any more
-# (another worker took the request over), else the cancel flag (0/1). Extends the lease only while `owner` is
-# still this worker (after the final, or for an ack-only request, it is not: nothing to extend). Writes go
-# through pcall: a Redis refusing writes (OOM) still answers, and the lease then simply is not extended.
+# (another worker took the request over), else the cancel flag (0/1), plus 2 when the lease was extended, or
+# plus 4 when Redis refused to extend it. Extends the lease only while `owner` is still this worker (after the
+# final, or for an ack-only request, it is not: nothing to extend). Writes go through pcall: a Redis refusing
+# writes (OOM) still answers, and the lease then simply is not extended (reported as refused).
 KEEP = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
+local extended = 0
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   local t = redis.call('TIME')
-  redis.pcall('HSET', KEYS[1], 'lease', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3]))
+  local r = redis.pcall('HSET', KEYS[1], 'lease', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3]))
+  if type(r) == 'table' and r.err then extended = 4 else extended = 2 end
 end
 redis.pcall('EXPIRE', KEYS[1], ARGV[4])
-return redis.call('EXISTS', KEYS[2])
+return redis.call('EXISTS', KEYS[2]) + extended
 """
 
 # KEYS: meta. ARGV: worker, epoch. Clears owner and lease if they are still this worker's at this epoch.
@@ -101,6 +116,16 @@ class Taken:
     att: int                 # meta.att: > 0 once someone resumed it (an attach marker goes first)
     cancelled: bool
     history: list[HistoryEvent]   # its events, oldest first (only the last one unless the whole was asked for)
+    lease_until: float = float("inf")   # time.monotonic() until which our lease surely holds (sent + lease)
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """One request's answer to a keep-fresh round (`Ownership.keep`)."""
+    taken_over: bool              # its epoch moved on: another worker took it over
+    cancelled: bool               # its cancel flag is set
+    lease_until: float | None     # extended: time.monotonic() until which it surely holds (sent + lease); None: not
+    refused: bool = False         # Redis answered but refused to extend it (it refuses writes: OOM)
 
 
 @dataclass
@@ -145,6 +170,7 @@ class Ownership:
     async def take(self, rid: str, *, key_id: str = "", gw: str = "", whole_history: bool = True
                    ) -> Taken | Held | Finished:
         k = self.keys
+        sent = time.monotonic()
         reply = await self._call(self._take, [k.meta(rid), k.out(rid), k.cancel(rid)],
                                  [self.worker_id, self.lease_ms, self.settings.output_ttl_s, key_id, gw,
                                   int(whole_history)])
@@ -156,18 +182,23 @@ class Ownership:
         _, epoch, meta_gw, att, cancelled, raw_history = reply
         return Taken(epoch=int(epoch), gw=as_str(meta_gw) if meta_gw else "", att=int(att or 0),
                      cancelled=bool(cancelled),
-                     history=[ev for ev in map(_event, raw_history) if ev is not None])
+                     history=[ev for ev in map(_event, raw_history) if ev is not None],
+                     lease_until=sent + self.lease_ms / 1000)
 
-    async def keep(self, states: list[InFlight]) -> list[int]:
-        """One keep-fresh round for `states`: per request -1 (taken over: its epoch moved on),
-        else its cancel flag (0/1). A request whose script failed (not transiently) counts as kept."""
+    async def keep(self, states: list[InFlight]) -> list[Kept]:
+        """One keep-fresh round for `states`, one `Kept` each. A request whose script failed (not
+        transiently) counts as kept, its lease not extended."""
         if not states:
             return []
         k, s = self.keys, self.settings
+        sent = time.monotonic()     # before the round trip: Redis extends no earlier than this
         replies = await self._pipelined(self._keep, [
             ([k.meta(st.rid), k.cancel(st.rid)], [self.worker_id, st.epoch, self.lease_ms, s.output_ttl_s])
             for st in states])
-        return [0 if isinstance(r, Exception) else int(r) for r in replies]
+        until = sent + self.lease_ms / 1000
+        return [Kept(False, False, None) if isinstance(r, Exception) else
+                Kept(int(r) < 0, int(r) > 0 and bool(int(r) & 1), until if int(r) > 0 and int(r) & 2 else None,
+                     int(r) > 0 and bool(int(r) & 4)) for r in replies]
 
     def release_in(self, pipe, states: Iterable[InFlight]) -> None:
         """Queue RELEASE for `states` on `pipe` (hand back; the script must be loaded: `load()`)."""

@@ -69,11 +69,13 @@ class WorkerService:
         self.outputs_event = asyncio.Event()     # the engine has outputs to take
         self.metrics = metrics = WorkerMetrics(sources=lambda: {
             "engine": engine, "stats": stats, "writer_stats": self.writer.stats, "redis_errors": REDIS_ERRORS,
-            "kv_block_tokens": s.kv_block_size, "max_batch": s.max_batch})
+            "kv_block_tokens": s.kv_block_size, "max_batch": s.max_batch,
+            "lease_lapsed": self.table.lease_lapsed(time.monotonic())})
         self.table = table = InFlightTable(engine, capacity=s.max_batch, queue_depth=s.worker_queue_depth,
                                            stats=stats, on_finished=metrics.request_finished)
         self.writer = writer = OutputWriter(self.redis.output, keys, s, worker_id, on_give_up=table.give_up,
-                                            on_done=table.finished, on_fenced=table.drop, on_commit=metrics.commit)
+                                            on_done=table.finished, on_fenced=table.drop, on_commit=metrics.commit,
+                                            on_lapsed=lambda st: self.leases.renew_soon(st))
         ownership = Ownership(self.redis.main, keys, s, worker_id)
         self.leases = leases = Leases(redis=self.redis.main, keys=keys, settings=s, worker_id=worker_id,
                                       ownership=ownership, table=table, engine=engine, stats=stats)

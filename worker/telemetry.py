@@ -4,7 +4,8 @@ Why its own module: the engine runs in a child process (worker.engine_process) o
 (worker.engine_thread), and its figures must reach the worker's /metrics without costing per
 token. The engine thread keeps a `Telemetry` and adds ONE record a step (batch size, prompt and
 decode tokens, step time) and one per applied cancel (how long after the worker received it
-the request's KV blocks were free); the engine process ships what accumulated with the messages
+the request's KV blocks were free), and one per grammar compile and per refused grammar
+(worker.engine.grammar_compile); the engine process ships what accumulated with the messages
 that already cross its pipe (each step's outputs, or the periodic status), as plain lists. Lane
 counts and KV figures are gauges, sampled at most every `GAUGES_EVERY_S`.
 """
@@ -29,6 +30,9 @@ class Telemetry:
     waiting: dict[str, int] = field(default_factory=dict)
     kv_cached: int = 0
     sampled_at: float = 0.0
+    # structured output: seconds of each grammar compile, and the reason of each refused grammar
+    compiles: list[float] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
 
     def record_step(self, rows: int, prompt_tokens: int, decode_tokens: int, sampled: int, seconds: float) -> None:
         self.steps.append((rows, prompt_tokens, decode_tokens, sampled, seconds))
@@ -51,13 +55,15 @@ class Telemetry:
     def take(self) -> "Telemetry":
         """What accumulated since the last take (the gauges are copied, not reset)."""
         out = Telemetry(self.steps, self.cancels, dict(self.running), dict(self.waiting), self.kv_cached,
-                        self.sampled_at)
-        self.steps, self.cancels = [], []
+                        self.sampled_at, self.compiles, self.refusals)
+        self.steps, self.cancels, self.compiles, self.refusals = [], [], [], []
         return out
 
     def merge(self, other: "Telemetry") -> None:
         self.steps.extend(other.steps)
         self.cancels.extend(other.cancels)
+        self.compiles.extend(other.compiles)
+        self.refusals.extend(other.refusals)
         if other.sampled_at >= self.sampled_at:
             self.running, self.waiting = other.running, other.waiting
             self.kv_cached, self.sampled_at = other.kv_cached, other.sampled_at
@@ -66,11 +72,13 @@ class Telemetry:
 
     def pack(self) -> list:
         return [self.steps, self.cancels, [self.running.get(lane, 0) for lane in LANES],
-                [self.waiting.get(lane, 0) for lane in LANES], self.kv_cached, self.sampled_at]
+                [self.waiting.get(lane, 0) for lane in LANES], self.kv_cached, self.sampled_at, self.compiles,
+                self.refusals]
 
     @classmethod
     def unpack(cls, f) -> "Telemetry":
-        return cls([tuple(s) for s in f[0]], list(f[1]), dict(zip(LANES, f[2])), dict(zip(LANES, f[3])), f[4], f[5])
+        return cls([tuple(s) for s in f[0]], list(f[1]), dict(zip(LANES, f[2])), dict(zip(LANES, f[3])), f[4], f[5],
+                   list(f[6]), list(f[7]))
 
 
 def lane_counts(engine) -> tuple[dict[str, int], dict[str, int]]:

@@ -19,9 +19,9 @@ import redis.asyncio as aioredis
 from gateway.auth import ANONYMOUS, is_anonymous
 from shared.streams import Keys, as_str
 
-# what a batch line may call; /v1/responses joins when that route lands (issue 35 item 1)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-NOT_YET = {"/v1/responses": "is not served in a batch yet (only /v1/chat/completions and /v1/completions)"}
+# what a batch line may call
+RESPONSES = "/v1/responses"
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", RESPONSES)
 PURPOSES = ("batch", "batch_output")
 MAX_REPORTED = 20          # malformed lines named in one upload error
 
@@ -92,8 +92,6 @@ def _line(item, seen: set[str]) -> tuple[str, str, dict]:
     seen.add(custom_id)
     if method != "POST":
         raise _Bad(f"'method' must be \"POST\", not {method!r}", "method")
-    if url in NOT_YET:
-        raise _Bad(f"'url' {url} {NOT_YET[url]}", "url")
     if url not in ENDPOINTS:
         raise _Bad(f"'url' must be one of {', '.join(ENDPOINTS)}, not {url!r}", "url")
     if not isinstance(body, dict):

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.batch.files import ENDPOINTS, MAX_REPORTED, NOT_YET, PURPOSES, LineErrors, owner_of, parse_lines
+from gateway.batch.files import ENDPOINTS, MAX_REPORTED, PURPOSES, LineErrors, owner_of, parse_lines
 from gateway.batch.store import FINAL
 from gateway.openai.errors import APIError
 from gateway.openai.front import HttpFront
@@ -151,9 +151,6 @@ async def create_batch(request: Request) -> Response:
     front, owner = await _owner(request)
     front.check_open()
     body = validated(BatchBody, json_object(await request.body()))
-    if body.endpoint in NOT_YET:
-        raise APIError(400, f"'endpoint' {body.endpoint} {NOT_YET[body.endpoint]}", param="endpoint",
-                       code="unsupported_parameter")
     if body.endpoint not in ENDPOINTS:
         raise APIError(400, f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
     if body.metadata is not None and len(body.metadata) > 16:

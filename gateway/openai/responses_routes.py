@@ -25,11 +25,10 @@ from gateway.openai.errors import APIError
 from gateway.openai.front import HttpFront
 from gateway.openai.response_writer import ResponseWriter
 from gateway.openai.responses_store import PREFIX, ResponseStore, Stored
+from gateway.openai.responses_turn import FINISHED, prepare
 from gateway.openai.session import RunRequest
 from shared.errors import ErrorCode, ProtocolError
-from shared.protocol import Resume, parse_client_message
-
-FINISHED = ("completed", "incomplete", "failed", "cancelled")
+from shared.protocol import Resume
 
 
 class ResponsesRun(RunRequest):
@@ -68,26 +67,10 @@ async def create(request: Request) -> Response:
         body = rb.parse(await request.body())
         model = front.served(body.model or front.settings.served_model_name)
         try:
-            history: list[dict] = []
-            if body.previous_response_id is not None:
-                prev = await store.load(body.previous_response_id, key_id)
-                if prev is None:
-                    raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
-                                   code="not_found", param="previous_response_id")
-                current = await store.current(prev)
-                if current["status"] not in FINISHED:
-                    raise APIError(400, f"Previous response '{body.previous_response_id}' is still "
-                                        f"{current['status']}", param="previous_response_id")
-                history = prev.conversation + rb.output_messages(current["output"])
-            fields, conversation, mode = rb.generate_fields(body, history)
+            turn = await prepare(store, body, key_id, model)
             rid = secrets.token_hex(16)
-            stored = Stored(hex=rid, key_id=key_id, base=rb.base_object(body, PREFIX + rid, model),
-                            conversation=conversation, input=rb.input_items(body.input, rid), mode=mode,
-                            logprobs=bool(fields.get("logprobs")), final=None, cancelled=False)
-            try:
-                msg = parse_client_message({"type": "generate", "id": PREFIX + rid, **fields})
-            except ProtocolError as exc:
-                raise APIError(400, exc.message, code=exc.code.value) from None
+            stored = turn.stored(rid)
+            msg = turn.message(PREFIX + rid)
             if body.store:
                 await store.save(stored)          # before it starts: a poll finds it at once
             if body.background:

@@ -53,9 +53,10 @@ def structured_fields(body, error: Callable[..., Exception]) -> dict[str, Any]:
     except (ValueError, ValidationError) as exc:
         raise error(400, str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else
                     f"tool_choice: {exc.errors()[0]['msg']}", param="tool_choice") from None
-    if tool_mode(parsed_tools, typed) == "forced" and RESPONSE_FORMAT in fields:
-        raise error(400, "'response_format' and a tool_choice that forces a call cannot be combined",
-                    param=RESPONSE_FORMAT)
+    if tool_mode(parsed_tools, typed) == "forced":
+        # OpenAI takes both: the format is for the answer's text, and a forced turn has none (the
+        # call's grammar is the whole answer). Agents send both: output_type + tool_choice=required.
+        fields.pop(RESPONSE_FORMAT, None)
     fields["tools"] = [t.model_dump(exclude_none=True) for t in parsed_tools]
     fields["tool_choice"] = choice
     return fields

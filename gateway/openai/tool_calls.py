@@ -69,6 +69,10 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict]]:
         return self._advance(final=True)
 
+    def closed_calls(self) -> list[_Call]:
+        """The calls whose arguments are complete (`arguments` set): all but the one being read."""
+        return [c for c in self.calls if c is not self._call]
+
     def tool_calls(self) -> list[dict]:
         """The calls, in OpenAI's message shape."""
         return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

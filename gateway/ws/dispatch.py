@@ -27,6 +27,7 @@ from gateway.ws.socket import FrameSocket
 from gateway.ws.socket_caps import SocketClaim
 from gateway.writer import CLOSE_POLICY
 from shared.errors import ErrorCode, ProtocolError
+from shared.structured import tool_mode
 from shared.protocol import (
     Accepted, Auth, Cancel, Generate, Ping, Pong, Resume, decode_frame, error_message, parse_client_message,
 )
@@ -145,21 +146,26 @@ class MessageHandler:
             raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS_ON_SOCKET,
                                 f"at most {self.s.max_requests_per_socket} concurrent requests per socket", client_id)
 
-    def accept(self, req: RequestState) -> None:
+    def accept(self, req: RequestState, tool_mode: str | None = None, after_seq: int = 0) -> None:
+        """Tell the client; a request with tools also gets its calls as typed frames from here on."""
+        if self.socket.tools is not None:
+            self.socket.tools.track(req.client_id, req.rid, tool_mode, after_seq=after_seq)
         self.sender.queue(Accepted(id=req.client_id, request_id=req.rid))
         req.advance(Phase.STREAMING)
 
     async def _generate(self, msg: Generate) -> None:
         self.check_new_id(msg.id)
+        mode = tool_mode(msg.tools, msg.tool_choice)
         # a re-sent idempotency key attaches this id to the request it started, from the first token
-        await self.core.start_or_attach(self.requests, self.key_id, msg, accept=self.accept)
+        await self.core.start_or_attach(self.requests, self.key_id, msg, accept=lambda req: self.accept(req, mode))
 
     async def _resume(self, msg: Resume) -> None:
         def check() -> None:
             self.resume_budget.take(msg.id)
             self.check_new_id(msg.id)
 
-        await self.core.resume(self.requests, self.key_id, msg, accept=self.accept, check=check)
+        await self.core.resume(self.requests, self.key_id, msg, check=check,
+                               accept=lambda req: self.accept(req, req.tool_mode, msg.last_seq))
 
     async def _cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.id)

@@ -22,7 +22,8 @@ from starlette.websockets import WebSocket
 
 from gateway.metrics import GatewayMetrics
 from gateway.writer import Payload
-from shared.protocol import encode_server
+from gateway.ws.tool_frames import ToolFrames
+from shared.protocol import Chunk, Done, encode_server
 
 log = logging.getLogger("gateway.connection")
 
@@ -53,6 +54,7 @@ class FrameSocket:
         self.metrics = metrics
         self.send_started: float | None = None   # monotonic start of the send in progress
         self.last_send = time.monotonic()
+        self.tools: ToolFrames | None = None     # typed tool-call frames (gateway.ws.tool_frames)
 
     async def receive(self) -> dict:
         return await self.ws.receive()
@@ -61,6 +63,9 @@ class FrameSocket:
         return encode_server(msg, binary=self.binary)
 
     async def send(self, msg: BaseModel) -> None:
+        if self.tools is not None and isinstance(msg, (Chunk, Done)):
+            for frame in await self.tools.frames(msg):      # a request with tools: its calls, typed, first
+                await self.send_payload(self.encode(frame))
         await self.send_payload(self.encode(msg))
 
     async def send_payload(self, payload: Payload) -> None:

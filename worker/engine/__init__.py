@@ -7,7 +7,7 @@ forward pass + sampling), `input_batch` (the runner's per-row state), `decoder` 
 over the model's own modules, fused projections), `attention` (paged attention plugged into
 transformers), `paged_attention` (the CUDA kernel: every token reads its blocks in place),
 `cuda_graphs` (decode steps replayed as graphs), `sampling`, `logprobs` (for the requests that
-ask), `grammar` (structured output), `detokenize`, `sequence` (per-request state), `types`
+ask), `grammar` (structured output) and `grammar_compile` (its schemas compiled beside the step), `detokenize`, `sequence` (per-request state), `types`
 (requests in, outputs out), `prompts`, `model_support` (which models are accepted), `host_lists`
 (per-row lists to tensors), `config`, `loading`, `model_files` (where weights come from),
 `quantize` and `cpu_kernels` (4-bit weights on CPUs), `threads` (torch threads).

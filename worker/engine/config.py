@@ -3,10 +3,12 @@ tests and benchmarks without environment variables."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from worker.engine.grammar_compile import GrammarLimits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,6 +85,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.85   # CUDA, kv_cache_tokens = 0: share of free GPU memory the pool may take
     prefix_caching: bool = True   # reuse the KV blocks of earlier requests' identical context prefixes
     shared_prefixes: tuple[str, ...] = ()   # prompt openings every cache scope shares (worker.engine.shared_prefix)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)   # structured output's compile limits
 
     def __post_init__(self):
         if (self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0
@@ -113,4 +116,5 @@ class EngineConfig:
             kv_memory_fraction=settings.kv_memory_fraction,
             prefix_caching=settings.prefix_caching,
             shared_prefixes=tuple(settings.cache_shared_prefixes),
+            grammar=GrammarLimits.from_settings(settings),
         )

@@ -11,7 +11,9 @@ token appended) and the engine turns each sampled token into what the request pr
 (detokenize, stop strings, finish, logprobs). Every request the engine holds ends with exactly
 one final output, whatever raises: a failed forward pass fails the requests in it, a failure
 while handling one request's token fails that request only. The engine is single-threaded by
-design: its owner calls add/cancel/step from one thread.
+design: its owner calls add/cancel/step from one thread. The one exception is structured output's
+schema compiles, which run on threads of their own (grammar_compile.py): a request with a grammar
+waits beside the batch and joins it at the first step after its grammar is ready.
 
 Prefix caching (`EngineConfig.prefix_caching`, on by default; block_pool.py,
 kv_cache_manager.py): KV blocks of earlier requests' contexts stay in the pool after they end
@@ -32,14 +34,16 @@ import torch
 
 from shared.errors import ErrorCode
 from shared.protocol import MAX_TOP_LOGPROBS
+from shared.sampling import invalid_control
 from worker.engine import attention
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
-from worker.engine.grammar import GrammarError, Grammars
+from worker.engine.grammar import Compile, GrammarRefused, Grammars
+from worker.engine.grammar_compile import Waiting
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.kv_cache_manager import KVCacheManager
-from worker.engine.logprobs import TokenText, entry as logprob_entry
+from worker.engine.logprobs import TokenText, entry as logprob_entry, prompt_echo
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner
@@ -95,15 +99,19 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_batch, config.prefill_chunk, config.lane_aging_steps)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._logits_width = model.get_output_embeddings().out_features   # a seeded token's noise
-        # compiles requests' grammars here, applies their masks in the runner (stop ids read at
-        # the first compile, from the runner's eos_ids)
-        self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.eos_ids, config.max_batch, self.device)
+        # compiles requests' grammars (on its own threads), applies their masks in the runner
+        # (stop ids read at the first compile, from the runner's eos_ids)
+        self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.eos_ids, config.max_batch, self.device,
+                                 config.grammar)
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
                                   max_positions=config.max_seq_len, device=self.device,
                                   dtype=config.dtype, cuda_graphs=config.cuda_graphs, grammars=self.grammars)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._by_rid: dict[str, Sequence] = {}
+        # requests waiting for their grammar (worker.engine.grammar_compile): they join at a step
+        # once it is compiled, or are refused (too large, invalid, past the compile timeout)
+        self._compiling = Waiting()
         self._token_text = TokenText(tokenizer)   # logprobs: tokens as text
         self._finals: list[StepOutput] = []   # reported by the next step(), before any forward pass
         self._arrivals = 0
@@ -124,7 +132,29 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_rid or self._finals)
+        """Requests to run, finals to report or grammars being compiled (step() then waits for one)."""
+        return bool(self._by_rid or self._finals or self._compiling)
+
+    def ready(self) -> bool:
+        """Whether step() has something to do now without waiting for a compile: what a driver that
+        must stay responsive (worker.engine_thread) steps on, waking on `on_compiled`."""
+        return bool(self._by_rid or self._finals) or self._compiling.any_ready()
+
+    def compile_deadline(self) -> float | None:
+        """time.monotonic() by which the next compile is refused if not done (None: none pending)."""
+        return self._compiling.deadline()
+
+    def compile_of(self, rid: str) -> Compile | None:
+        """The compile a request waits for (None: it is not waiting for one)."""
+        return self._compiling.get(rid)
+
+    def on_compiled(self, notify) -> None:
+        """`notify()` is called (in a compile thread) whenever a compile ends."""
+        self.grammars.pool.on_done = notify
+
+    def take_grammar_records(self) -> tuple[list[float], list[str]]:
+        """Compile seconds and refusal reasons since the last take (the worker's metrics)."""
+        return self.grammars.pool.take_records()
 
     @property
     def num_running(self) -> int:
@@ -132,11 +162,11 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     def request_ids(self) -> list[str]:
-        """Ids of every request the engine holds (waiting or running)."""
-        return list(self._by_rid)
+        """Ids of every request the engine holds (compiling, waiting or running)."""
+        return list(self._by_rid) + self._compiling.rids()
 
     @property
     def kv_tokens_total(self) -> int:
@@ -175,9 +205,10 @@ class Engine:
         return min(self.config.max_seq_len, self.cache.tokens_total)
 
     def add(self, req: EngineRequest) -> None:
-        """Queue a request, or raise EngineRejected if it can never run."""
+        """Queue a request, or raise EngineRejected if it can never run. A request with a grammar
+        waits for it to compile (off this thread) and joins at a later step."""
         p = req.params
-        if req.rid in self._by_rid:
+        if req.rid in self._by_rid or req.rid in self._compiling:
             raise EngineRejected(ErrorCode.DUPLICATE_ID, f"request {req.rid!r} is already in the engine")
         if not req.prompt_ids:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "empty prompt")
@@ -186,8 +217,14 @@ class Engine:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "token id outside the vocabulary")
         if p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or req.skip_tokens < 0:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "invalid sampling parameters")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
-            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
+        if (bad := invalid_control(p)) is not None:
+            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"{bad[0]} {bad[1]}", param=bad[0])
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias or ())):
+            if any(i >= self._logits_width for i in ids):
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"{name}: token id outside the vocabulary", param=name)
+        for k in (p.logprobs, p.prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
@@ -198,28 +235,32 @@ class Engine:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({p.max_tokens}) = {need} exceeds "
                 f"the {limit} tokens one request may use",
             )
+        if p.grammar is not None:
+            self._compiling.add(req.rid, req, self.grammars.compile(p.grammar))
+            return
+        self._enter(req, None)
+
+    def _enter(self, req: EngineRequest, matcher) -> None:
+        """A checked request (with its grammar's matcher, if it has one) joins the scheduler."""
+        p = req.params
+        context = list(req.prompt_ids) + list(req.generated_ids)
         generator = None
         if p.temperature > 0 and p.seed is not None:
             generator = make_generator(p.seed, self.config.device)
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
-        matcher = None
-        if p.grammar is not None:
-            try:
-                matcher = self.grammars.matcher(p.grammar)
-            except GrammarError as exc:
-                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"response_format: {exc}",
-                                     param="response_format") from None
-            # a continuation: the grammar is where the delivered tokens left it
-            if not all(matcher.accept(token) for token in req.generated_ids):
-                raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop, skip_special_tokens=p.skip_special_tokens,
+                                       include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens)
         salt = req.cache_salt.encode()
         seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals, tokens=context,
                        cache_root=self._cache_root, cache_salt=salt, grammar=matcher,
                        salt_at=self._shared.salted_from(req.prompt_ids, self.config.kv_block_size) if salt else 0)
         self._arrivals += 1
-        if seq.top_logprobs >= 0:
-            seq.text_offset = self._token_text.length(req.generated_ids)
+        if not req.generated_ids and not req.skip_tokens:   # nothing delivered yet: the prompt goes first
+            seq.echo = p.echo
+            seq.prompt_lp_k = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        if seq.top_logprobs >= 0:   # with echo, offsets count from the echoed prompt's start (vLLM's)
+            seq.text_offset = self._token_text.length(req.generated_ids) + \
+                (self._token_text.length(req.prompt_ids) if p.echo else 0)
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
         self._by_rid[req.rid] = seq
@@ -235,15 +276,25 @@ class Engine:
         model, so a cancel is answered without waiting for a forward pass."""
         seq = self._by_rid.get(rid)
         if seq is None:
-            return False
+            req = self._compiling.drop(rid)
+            if req is not None:
+                self._finals.append(self._unentered(req, "cancelled"))
+            return req is not None
         self._forget(seq)
         self._finals.append(self._final(seq, "", "cancelled"))
         return True
 
     def step(self) -> list[StepOutput]:
-        """Pending finals (cancels) if there are any, else one scheduled forward pass and what
-        each request produced."""
+        """Pending finals (cancels, refusals) if there are any, else one scheduled forward pass and
+        what each request produced. Requests whose grammar compiled join first; with nothing else
+        to run, it waits for a compile (up to its deadline): a driver that must not wait steps
+        only when `ready()`."""
         self.last_step = None
+        if self._compiling:
+            self._admit_compiled()
+            if not self._by_rid and not self._finals and self._compiling:   # nothing else to do
+                self._compiling.wait()
+                self._admit_compiled()
         if self._finals:
             return self._take_finals()
         try:
@@ -270,6 +321,33 @@ class Engine:
 
     # ---- internals --------------------------------------------------------------------
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the scheduler; refused ones end (a final)."""
+        for req, job, now in self._compiling.take_ready():
+            try:
+                matcher = job.result(now)
+                # a continuation: the grammar is where the delivered tokens left it
+                if not all(matcher.accept(token) for token in req.generated_ids):
+                    raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
+                self._enter(req, matcher)
+            except GrammarRefused as exc:
+                self.grammars.pool.count_refusal(exc.reason)
+                self._finals.append(self._unentered(req, "error", ErrorCode.INVALID_REQUEST, f"{exc.param}: {exc}",
+                                                    exc.param))
+            except EngineRejected as exc:
+                self._finals.append(self._unentered(req, "error", exc.code, exc.message, exc.param))
+            except Exception as exc:  # a bug: this request fails, not the step
+                log.exception("starting %s after its grammar compiled failed", req.rid)
+                self._finals.append(self._unentered(req, "error", ErrorCode.INTERNAL,
+                                                    f"could not start the request: {exc}"))
+
+    def _unentered(self, req: EngineRequest, reason: FinishReason, code: ErrorCode | None = None,
+                   message: str | None = None, param: str | None = None) -> StepOutput:
+        """The final of a request that never joined the scheduler (its grammar was not ready)."""
+        return StepOutput(rid=req.rid, text="", token_ids=[], finished=True, finish_reason=reason,
+                          prompt_tokens=len(req.prompt_ids), completion_tokens=0, error_code=code,
+                          error_message=message, error_param=param)
+
     def _update(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
         """The scheduler advances each scheduled request (computed tokens, published blocks,
         sampled tokens appended); then each sampled token becomes its request's output."""
@@ -277,6 +355,8 @@ class Engine:
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
         logprobs = self.runner.last_logprobs
+        for seq, rows in self.runner.last_prompt_rows or ():
+            seq.prompt_rows.extend(rows)
         for i, (seq, token) in enumerate(zip(plan.sampled, tokens)):
             if seq.finished:
                 continue
@@ -284,6 +364,8 @@ class Engine:
                 out = self._on_token(seq, token, now_ms)
                 if logprobs is not None and logprobs[i] is not None:
                     self._add_logprobs(seq, token, logprobs[i], out)
+                if (seq.echo or seq.prompt_lp_k >= 0) and out is not None and out.token_ids:
+                    out.prompt = prompt_echo(seq, self._token_text, self.tokenizer)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
@@ -293,8 +375,8 @@ class Engine:
         return outputs
 
     def _ends(self, seq: Sequence, token: int) -> bool:
-        """Whether `token` is an end-of-sequence token for this request."""
-        return token in self.runner.eos_ids and not seq.ignore_eos
+        """Whether `token` is an end-of-sequence token for this request (or one of its stop_token_ids)."""
+        return (token in self.runner.eos_ids and not seq.ignore_eos) or token in seq.stop_ids
 
     def _finish_reason(self, seq: Sequence, eos: bool) -> FinishReason | None:
         """Why the request ends after its latest token (`eos`: that token ends sequences), if it does."""
@@ -310,7 +392,10 @@ class Engine:
         eos = self._ends(seq, token)
         if seq.grammar is not None and not eos and not seq.grammar.accept(token):
             raise RuntimeError(f"sampled token {token} breaks the request's grammar")
-        text = seq.detok.finish() if eos else seq.detok.add(token)
+        if eos:   # the ending token's own text only where asked (vLLM's include_stop_str_in_output)
+            text = (seq.detok.add(token) if seq.include_stop else "") + seq.detok.finish()
+        else:
+            text = seq.detok.add(token)
         reason = self._finish_reason(seq, eos)
         if reason is not None:
             if reason == "length" or (not eos and seq.grammar is not None and seq.grammar.done):

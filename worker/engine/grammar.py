@@ -19,31 +19,26 @@ per-token mask fill is 1-3 us against llguidance's 9-10 us (medians; bench/RESUL
 fill is what every constrained row pays every step; compiling a schema (once per request,
 cached by xgrammar per schema) is ~5 ms against ~1 ms.
 
-Compiling runs in the engine thread when a request is added: ~5 ms for ordinary schemas and
-cached per schema by xgrammar, but ~1 s for large counted repetitions (`minLength: 10000`),
-which stalls the engine's other requests that long (compiling off the engine thread is not done).
+Compiling runs off the engine thread, within limits (worker.engine.grammar_compile): a request
+with a grammar joins the batch once its matcher is ready.
 
 Specs (`grammar` dicts, JSON-serializable so they cross Redis): `{"type": "json_object"}` (any
-JSON object) and `{"type": "json_schema", "schema": {...}}`. JSON is produced with fixed
+JSON object) and `{"type": "json_schema", "schema": {...}}`, with `"param": "tools"` where the
+schema is a forced tool call's (refusals then name `tools`). JSON is produced with fixed
 separators (", ", ": ") and no free whitespace: a model cannot stall in endless blanks.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Callable
 
 import numpy as np
 import torch
 
+from worker.engine.grammar_compile import Compile, CompilePool, GrammarError, GrammarLimits, GrammarRefused
 from worker.engine.host_lists import long_tensor
 
-SEPARATORS = (", ", ": ")
-ANY_OBJECT = {"type": "object"}
-
-
-class GrammarError(ValueError):
-    """A grammar spec that cannot be compiled (the request is refused, `invalid_request`)."""
+__all__ = ["Compile", "GrammarError", "GrammarLimits", "GrammarRefused", "Grammars", "Matcher"]
 
 
 class Matcher:
@@ -68,26 +63,31 @@ class Matcher:
 
 
 class Grammars:
-    """Compiles specs for one engine's tokenizer and applies the masks of a step's constrained
-    rows. The tokenizer's token table (~0.1 s to build) is made on the first constrained request."""
+    """Compiles specs for one engine's tokenizer (on `pool`'s threads) and applies the masks of a
+    step's constrained rows. The tokenizer's token table (~0.1-0.4 s to build) is made by the
+    first compile, in a compile thread."""
 
-    def __init__(self, tokenizer, vocab: int, eos_ids: Callable[[], set[int]], max_rows: int, device: torch.device):
+    def __init__(self, tokenizer, vocab: int, eos_ids: Callable[[], set[int]], max_rows: int, device: torch.device,
+                 limits: GrammarLimits | None = None):
         self._tokenizer = tokenizer
         self._vocab = vocab            # the logits' width (may exceed the tokenizer's vocabulary)
         self._eos_ids = eos_ids
         self._device = device
-        self._compiler = None
-        self._clean: torch.Tensor | None = None   # bitmask words: every token but those with control bytes
+        # bitmask words: every token but those with control bytes (set by the first compile,
+        # before any matcher exists)
+        self._clean: torch.Tensor | None = None
         words = (vocab + 31) // 32
         self._host = torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self.pool = CompilePool(self._build, _new_matcher, limits or GrammarLimits())
 
-    def _get_compiler(self):
-        if self._compiler is None:
-            import xgrammar as xgr
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab,
-                                                      stop_token_ids=sorted(self._eos_ids()) or None)
-            self._compiler = xgr.GrammarCompiler(info)
+    def _build(self, threads: int, cache_bytes: int):
+        """The xgrammar compiler for this tokenizer (in a compile thread, once)."""
+        import xgrammar as xgr
+        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab,
+                                                  stop_token_ids=sorted(self._eos_ids()) or None)
+        compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True, cache_limit_bytes=cache_bytes)
+        if self._clean is None:
             # JSON strings may not hold raw control characters, which xgrammar's string rule
             # lets through (a random model wrote \x01 into one); the JSON written here needs
             # none (fixed separators, no free whitespace), so tokens with one are never allowed
@@ -95,28 +95,15 @@ class Grammars:
             clean = np.full(words * 32, True)
             clean[[i for i, b in enumerate(info.decoded_vocab) if any(c < 0x20 for c in b)]] = False
             self._clean = torch.from_numpy(np.packbits(clean, bitorder="little").view(np.int32).copy())
-        return self._compiler
+        return compiler
+
+    def compile(self, spec: dict) -> Compile:
+        """Start compiling `spec` for a request (worker.engine.grammar_compile); never blocks."""
+        return self.pool.submit(spec)
 
     def matcher(self, spec: dict) -> Matcher:
-        """A fresh matcher for `spec`, or GrammarError."""
-        import xgrammar as xgr
-        if not isinstance(spec, dict):
-            raise GrammarError("a grammar spec is an object")
-        kind = spec.get("type")
-        if kind == "json_object":
-            schema = ANY_OBJECT
-        elif kind == "json_schema":
-            schema = spec.get("schema")
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError("json_schema needs a 'schema' object")
-        else:
-            raise GrammarError(f"unknown grammar type {kind!r}")
-        try:
-            compiled = self._get_compiler().compile_json_schema(
-                json.dumps(schema), any_whitespace=False, separators=SEPARATORS, strict_mode=True)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise GrammarError(f"the JSON schema cannot be used: {_first_line(exc)}") from None
-        return Matcher(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
+        """A fresh matcher for `spec` compiled in the calling thread (tests, benchmarks), or GrammarRefused."""
+        return self.pool.compile_now(spec)
 
     def _allowed(self, host: torch.Tensor, vocab: int) -> torch.Tensor:
         """Bitmask rows [k, words] (bit j of word w: token 32w + j) -> bool [k, vocab] on the
@@ -147,8 +134,7 @@ class Grammars:
         logits.index_copy_(0, idx, part)
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
-    # xgrammar prefixes "[time] /path/file.cc:line: "; keep the message
-    return line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line
+
+def _new_matcher(compiled) -> Matcher:
+    import xgrammar as xgr
+    return Matcher(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))

@@ -78,7 +78,8 @@ class Acceptor:
             await self.dead_letters.dead_letter_taken(entry_id, f"delivered {deliveries} times without finishing",
                                                       raw, deliveries, "deliveries", rid, got, progress, entry)
             return
-        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, gw=got.gw, worker=self.worker_id)
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, gw=got.gw, worker=self.worker_id,
+                            lease_until=got.lease_until)
         # a continuation's first token is an earlier run's: TTFT counts from that one
         st.first_token_ms = next((e.ms for e in history if isinstance(e, TokEvent)), 0)
         if got.att > 0 and st.gw:

@@ -67,7 +67,8 @@ class DeadLetters:
         if isinstance(got, Finished):
             await self.ack_finished(rid, entry_id, entry, dead_letter=fields, key_id=key_id)
             return
-        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, key_id=key_id, worker=self.worker_id)
+        st = InFlight.start(rid, entry_id, entry, progress, epoch=got.epoch, key_id=key_id, worker=self.worker_id,
+                            lease_until=got.lease_until)
         st.dead_letter = fields
         if progress.finished:
             st.engine_done = st.final_written = True
