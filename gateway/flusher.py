@@ -70,6 +70,18 @@ class ChunkBuffer:
             return self._since
         return max(self._since, self._last_flush + self.interval_s)
 
+    def look_at(self, now: float) -> float | None:
+        """When the sender should look at this buffer next: its deadline while it holds tokens;
+        while empty, the end of the interval its last flush started (a token that arrives before
+        then is due exactly then, so the sender already sleeping until then need not be woken for
+        it: gateway.sender); None when there is nothing to wait for."""
+        if self._since is not None:
+            return self.deadline()
+        if self._last_flush is None or self.interval_s == 0.0:
+            return None
+        end = self._last_flush + self.interval_s
+        return end if end > now else None
+
     def take(self, now: float) -> Pending | None:
         """Everything buffered as one chunk (also used to drain before `done`)."""
         if self._since is None:

@@ -22,8 +22,9 @@ from gateway.openai.response import OpenAIResponse
 from gateway.request_core import RequestCore
 from gateway.request_state import Phase, RequestState
 from gateway.requests import RequestTable
-from gateway.sender import Sender, WakeEvent
+from gateway.sender import Sender
 from gateway.sessions import Sessions, StreamingSession
+from gateway.wake import WakeEvent
 from gateway.writer import Writer
 from shared.protocol import Accepted
 
