@@ -19,6 +19,9 @@ submit + deliver (the rest of TTFT is the worker's intake and prefill).
 
     .venv/bin/python bench/fanout.py                               # the full matrix (~10 min)
     .venv/bin/python bench/fanout.py --streams 256 --steps 5 --seconds 5 --modes v2,v1
+    # this tree against another checkout, alternating: cells, then the TTFT hop three times each
+    .venv/bin/python bench/fanout.py --streams 256 --steps 5 --modes base,v2,base,v2 --baseline-root /tmp/base \
+        --ttft-modes base,v2 --ttft-rounds 3
 """
 
 from __future__ import annotations
@@ -45,6 +48,20 @@ import redis  # noqa: E402
 from bench.common import percentile, table, write_json  # noqa: E402
 from shared.localredis import LocalRedis, free_port  # noqa: E402
 
+# `python -c` this: the gateway under cProfile timed by the process's CPU time, not wall time
+# (which a loaded box inflates wherever a function happens to be preempted, a socket write say),
+# written to $GW_PROFILE_OUT when the gateway exits (SIGTERM)
+PROFILED_GATEWAY = """
+import cProfile, os, time
+from gateway.__main__ import main
+prof = cProfile.Profile(time.process_time)
+try:
+    prof.runcall(main)
+except SystemExit:
+    pass
+finally:
+    prof.dump_stats(os.environ["GW_PROFILE_OUT"])
+"""
 BASELINE_COMMIT = "793780d"      # `main` when transport v2 started: v1's read path and writer
 STREAMS_PER_SOCKET = 8
 
@@ -162,7 +179,7 @@ def gateway_env(extra: dict | None = None) -> dict:
 
 def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_tree: Path, work: Path) -> dict:
     prefix = f"fo{uuid.uuid4().hex[:6]}"
-    tree = v1_tree if mode == "v1" else ROOT
+    tree = {"v1": v1_tree, "base": args.baseline_root}.get(mode, ROOT)
     r = redis.Redis.from_url(redis_url)
     tokens = max(20, int(args.seconds * 1000 / step_ms))
     port = free_port()
@@ -174,21 +191,27 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
                          "--step-ms", str(step_ms)], tree, base_env(tree, redis_url, prefix, {}), work / f"src-{prefix}.log")
             workers_key = f"{prefix}:workers"
         else:
-            flush = args.flush_ms if mode == "v2" else 0
+            flush = 0 if mode == "v2-flush0" else args.flush_ms
+            wtree = args.baseline_root if mode == "v2-gw" else tree     # v2-gw: this gateway, the base worker
             src = popen([sys.executable, "-m", "worker.synthetic", "--step-ms", str(step_ms), "--max-batch",
-                         str(streams + 64)], tree, base_env(tree, redis_url, prefix, {"WORKER_FLUSH_MS": flush}),
+                         str(streams + 64)], wtree, base_env(wtree, redis_url, prefix, {"WORKER_FLUSH_MS": flush}),
                         work / f"src-{prefix}.log")
             workers_key = f"{prefix}:{{reg}}:workers"
         procs.append(src)
         wait_workers(r, workers_key)
         gw_log = work / f"gw-{prefix}.log"
-        gw = popen([sys.executable, "-m", "gateway"], tree,
-                   base_env(tree, redis_url, prefix, gateway_env({"GATEWAY_PORT": port})), gw_log)
+        largest = streams == max(int(x) for x in args.streams.split(",") if x)
+        gw_env = gateway_env({"GATEWAY_PORT": port})
+        run_gw = ["-m", "gateway"]
+        if args.profile and mode in ("v2", "base") and largest:
+            run_gw = ["-c", PROFILED_GATEWAY]
+            gw_env["GW_PROFILE_OUT"] = f"{args.profile}.{mode}.{streams}x{step_ms:g}ms.{prefix}.prof"
+        gw = popen([sys.executable, *run_gw], tree, base_env(tree, redis_url, prefix, gw_env), gw_log)
         procs.append(gw)
         wait_ready(port, gw, gw_log)
         url = f"ws://127.0.0.1:{port}/v1/stream"
         gwp = psutil.Process(gw.pid)
-        if args.py_spy and mode == "v2" and streams == max(int(x) for x in args.streams.split(",")):
+        if args.py_spy and mode == "v2" and largest:
             out = Path(args.py_spy).with_suffix(f".{streams}x{step_ms:g}ms.txt")
             spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gw.pid),
                                     "--format", "raw", "--nonblocking", "-o", str(out)],
@@ -235,7 +258,7 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
         }
     finally:
         for p in reversed(procs):
-            stop(p)
+            stop(p, 60.0 if args.profile else 5.0)
         r.close()
 
 
@@ -264,7 +287,7 @@ async def ttft_requests(url: str, n: int, out: list) -> None:
 def run_ttft(mode: str, args, redis_url: str, v1_tree: Path, work: Path, model_dir: Path) -> dict:
     import msgpack
     prefix = f"ft{uuid.uuid4().hex[:6]}"
-    tree = v1_tree if mode == "v1" else ROOT
+    tree = {"v1": v1_tree, "base": args.baseline_root}.get(mode, ROOT)
     r = redis.Redis.from_url(redis_url)
     port = free_port()
     procs = []
@@ -293,7 +316,7 @@ def run_ttft(mode: str, args, redis_url: str, v1_tree: Path, work: Path, model_d
             ttft.append((t_first - t_send) * 1000)
         hop = [a + b for a, b in zip(submit, deliver)]
         return {"mode": mode, "requests": len(hop), "submit_p50_ms": percentile(submit, 50),
-                "deliver_p50_ms": percentile(deliver, 50), "hop_p50_ms": percentile(hop, 50),
+                "deliver_p50_ms": percentile(deliver, 50), "deliver_p95_ms": percentile(deliver, 95), "hop_p50_ms": percentile(hop, 50),
                 "hop_p95_ms": percentile(hop, 95), "ttft_p50_ms": percentile(ttft, 50)}
     finally:
         for p in reversed(procs):
@@ -307,14 +330,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", default="256,1000,2000")
     ap.add_argument("--steps", default="5,2", help="ms per decode step")
-    ap.add_argument("--modes", default="v2,v2-flush0,v1", help="v2 (WORKER_FLUSH_MS=--flush-ms), v2-flush0, v1")
+    ap.add_argument("--modes", default="v2,v2-flush0,v1",
+                    help="v2 (WORKER_FLUSH_MS=--flush-ms), v2-flush0, v1, base (--baseline-root's tree, like v2), "
+                         "v2-gw (this gateway fed by the base tree's worker: the gateway alone against base)")
     ap.add_argument("--flush-ms", type=int, default=15)
     ap.add_argument("--seconds", type=float, default=6.0, help="how long each stream runs (tokens = seconds/step)")
     ap.add_argument("--clients", type=int, default=4, help="client processes")
     ap.add_argument("--ttft-requests", type=int, default=23)
     ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--ttft-modes", default="v2,v1", help="v2 (this tree), v1, base (--baseline-root's tree)")
+    ap.add_argument("--ttft-rounds", type=int, default=1, help="alternations of the TTFT modes")
+    ap.add_argument("--baseline-root", type=Path, default=None,
+                    help="another checkout (e.g. `git archive main | tar -x -C /tmp/base`) for the `base` mode")
     ap.add_argument("--py-spy", default="", help="record a py-spy profile (collapsed stacks) of the v2 gateway "
                                                  "in the largest cell to this path prefix")
+    ap.add_argument("--profile", default="", help="run the v2 (and base) gateway of the largest cell under "
+                                                  "cProfile, timed by CPU time: <path>.<mode>.<cell>.<prefix>.prof")
     ap.add_argument("--client", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
@@ -324,13 +355,16 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-fanout-"))
     v1_tree = work / "v1"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(v1_tree), BASELINE_COMMIT],
-                   check=True, capture_output=True)
+    ttft_modes = [] if args.no_ttft else args.ttft_modes.split(",")
+    needs_v1 = ("v1" in args.modes.split(",") and args.streams) or "v1" in ttft_modes
+    if needs_v1:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(v1_tree), BASELINE_COMMIT],
+                       check=True, capture_output=True)
     server = LocalRedis().start()
     rows, ttft_rows = [], []
     try:
         for step in [float(s) for s in args.steps.split(",")]:
-            for streams in [int(s) for s in args.streams.split(",")]:
+            for streams in [int(s) for s in args.streams.split(",") if s]:
                 for mode in args.modes.split(","):
                     row = run_cell(mode, streams, step, args, server.url, v1_tree, work)
                     rows.append(row)
@@ -339,25 +373,30 @@ def main() -> None:
                           f"redis cmd/tok={row['redis_cmd_per_tok']:.3f}  tok/frame={row['tok_per_frame']:.1f}  "
                           f"gap p50/p95/p99={row['gap_p50_ms']:.0f}/{row['gap_p95_ms']:.0f}/{row['gap_p99_ms']:.0f}ms"
                           f"  errors={row['errors']}", flush=True)
-        if not args.no_ttft:
+        if ttft_modes:
             from tests.tiny_model import make_tiny_model_dir
             model_dir = make_tiny_model_dir(work / "tiny-model")
-            for mode in ("v2", "v1"):
-                row = run_ttft(mode, args, server.url, v1_tree, work, model_dir)
-                ttft_rows.append(row)
-                print(f"TTFT {mode}: hop p50 {row['hop_p50_ms']:.1f} ms (submit {row['submit_p50_ms']:.1f} + "
-                      f"deliver {row['deliver_p50_ms']:.1f}), TTFT p50 {row['ttft_p50_ms']:.1f} ms", flush=True)
+            for _ in range(args.ttft_rounds):
+                for mode in ttft_modes:
+                    row = run_ttft(mode, args, server.url, v1_tree, work, model_dir)
+                    ttft_rows.append(row)
+                    print(f"TTFT {mode}: hop p50 {row['hop_p50_ms']:.1f} ms (submit {row['submit_p50_ms']:.1f} + "
+                          f"deliver {row['deliver_p50_ms']:.1f}, p95 {row['deliver_p95_ms']:.1f}), "
+                          f"TTFT p50 {row['ttft_p50_ms']:.1f} ms", flush=True)
     finally:
         server.stop()
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(v1_tree)], capture_output=True)
+        if needs_v1:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(v1_tree)], capture_output=True)
 
     columns = ["mode", "streams", "step_ms", "tok_per_s", "target_tok_per_s", "gw_cores", "redis_cmd_per_tok",
                "frames_per_s", "tok_per_frame", "gap_p50_ms", "gap_p95_ms", "gap_p99_ms", "errors"]
-    print()
-    print(table(rows, columns))
+    if rows:
+        print()
+        print(table(rows, columns))
     if ttft_rows:
         print()
-        print(table(ttft_rows, ["mode", "requests", "submit_p50_ms", "deliver_p50_ms", "hop_p50_ms", "hop_p95_ms",
+        print(table(ttft_rows, ["mode", "requests", "submit_p50_ms", "deliver_p50_ms", "deliver_p95_ms", "hop_p50_ms",
+                                "hop_p95_ms",
                                 "ttft_p50_ms"]))
     path = write_json("fanout", {"baseline": f"v1 = commit {BASELINE_COMMIT}; v2-flush0 = WORKER_FLUSH_MS=0",
                                  "flush_ms": args.flush_ms, "rows": rows, "ttft": ttft_rows, "work_dir": str(work)})

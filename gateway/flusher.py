@@ -18,6 +18,7 @@ class Pending:
     tokens: int
     seq: int
     logprobs: list | None = None    # the tokens' logprob entries (shared.streams `lp`), when asked
+    prompt: list | None = None      # echo / prompt logprobs, with the first token (shared.events `pr`)
 
 
 class ChunkBuffer:
@@ -28,10 +29,14 @@ class ChunkBuffer:
         self._tokens = 0
         self._seq = 0
         self._logprobs: list | None = None
+        self._prompt: list | None = None
         self._since: float | None = None    # when the oldest buffered token arrived
         self._last_flush: float | None = None
 
-    def add(self, text: str, tokens: int, seq: int, now: float, logprobs: list | None = None) -> None:
+    def add(self, text: str, tokens: int, seq: int, now: float, logprobs: list | None = None,
+            prompt: list | None = None) -> None:
+        if prompt is not None:
+            self._prompt = prompt
         if text:
             self._parts.append(text)
         if logprobs is not None:
@@ -65,12 +70,24 @@ class ChunkBuffer:
             return self._since
         return max(self._since, self._last_flush + self.interval_s)
 
+    def look_at(self, now: float) -> float | None:
+        """When the sender should look at this buffer next: its deadline while it holds tokens;
+        while empty, the end of the interval its last flush started (a token that arrives before
+        then is due exactly then, so the sender already sleeping until then need not be woken for
+        it: gateway.sender); None when there is nothing to wait for."""
+        if self._since is not None:
+            return self.deadline()
+        if self._last_flush is None or self.interval_s == 0.0:
+            return None
+        end = self._last_flush + self.interval_s
+        return end if end > now else None
+
     def take(self, now: float) -> Pending | None:
         """Everything buffered as one chunk (also used to drain before `done`)."""
         if self._since is None:
             return None
-        out = Pending("".join(self._parts), self._tokens, self._seq, self._logprobs)
-        self._logprobs = None
+        out = Pending("".join(self._parts), self._tokens, self._seq, self._logprobs, self._prompt)
+        self._logprobs = self._prompt = None
         self._parts.clear()
         self._tokens = 0
         self._since = None

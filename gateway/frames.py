@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from gateway.flusher import Pending
 from shared.events import DoneUsage, ErrEvent, error_code
-from shared.protocol import Chunk, Done, TokenLogprob, TopLogprob, Usage
+from shared.protocol import Chunk, Done, PromptLogprob, TokenLogprob, TopLogprob, Usage
 
 if TYPE_CHECKING:
     from gateway.request_state import RequestState
@@ -20,15 +20,18 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 def chunk_frame(client_id: str, pending: Pending) -> Chunk:
     logprobs = None if pending.logprobs is None else [token_logprob(e) for e in pending.logprobs]
-    return Chunk(id=client_id, seq=pending.seq, text=pending.text, tokens=pending.tokens, logprobs=logprobs)
+    text, prompt = pending.prompt if pending.prompt is not None else (None, None)
+    return Chunk(id=client_id, seq=pending.seq, text=pending.text, tokens=pending.tokens, logprobs=logprobs,
+                 prompt_text=text,
+                 prompt_logprobs=None if prompt is None else [token_logprob(e, PromptLogprob) for e in prompt])
 
 
-def token_logprob(entry) -> TokenLogprob:
+def token_logprob(entry, cls: type[TokenLogprob] = TokenLogprob) -> TokenLogprob:
     """A worker's logprob entry [token, logprob, [[token, logprob], ...], text_offset] as sent to
     clients; `bytes` are the token string's UTF-8 (vLLM's rule)."""
     token, logprob, top, offset = entry
-    return TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), text_offset=offset,
-                        top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top])
+    return cls(token=token, logprob=logprob, bytes=list(token.encode()), text_offset=offset,
+               top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top])
 
 
 def done_frame(req: RequestState, now: float) -> Done:

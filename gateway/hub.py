@@ -45,10 +45,11 @@ from gateway.request_log import CancelWatch
 from gateway.requests import RequestTable
 from gateway.resume import Resumer
 from gateway.router import Router
-from gateway.sender import Sender, WakeEvent
+from gateway.sender import Sender
 from gateway.sessions import DRAIN_TIMEOUT_S, Sessions
 from gateway.settings import GatewaySettings
 from gateway.submit import Submitter
+from gateway.wake import WakeEvent
 from gateway.ws.connection import Connection
 from gateway.ws.dispatch import MessageHandler
 from gateway.ws.endpoint import WebSocketFront

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 
@@ -22,6 +23,32 @@ HOUSEKEEPING_DUTIES = ("cancel_watch", "slow_consumers", "stalls", "liveness", "
                        "leases", "batches")
 RESUME_OUTCOMES = ("attached", ErrorCode.RESUME_EXPIRED.value, ErrorCode.RATE_LIMITED.value,
                    ErrorCode.BACKEND_UNAVAILABLE.value)
+
+
+class HotCounter:
+    """A counter bumped on the per-frame path: a plain int (the event loop is the only writer),
+    read at scrape time by `HotCounters`. prometheus_client's Counter takes a lock and runs
+    three checks per `inc`, a few µs a frame across the frame counters."""
+    __slots__ = ("name", "doc", "value")
+
+    def __init__(self, name: str, doc: str):
+        self.name, self.doc, self.value = name, doc, 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+
+class HotCounters:
+    """The collector that exports HotCounters (as `<name>_total`, like a Counter)."""
+
+    def __init__(self, *counters: HotCounter):
+        self.counters = counters
+
+    def describe(self):
+        return [CounterMetricFamily(c.name, c.doc) for c in self.counters]
+
+    def collect(self):
+        return [CounterMetricFamily(c.name, c.doc, value=c.value) for c in self.counters]
 
 
 class GatewayMetrics:
@@ -52,9 +79,10 @@ class GatewayMetrics:
                                "attached, or the refusal's error code", ["outcome"], registry=r)
         self.inter_chunk = Histogram("gateway_inter_chunk_seconds", "gap between chunks of one request",
                                      buckets=GAP_BUCKETS, registry=r)
-        self.flushes = Counter("gateway_flushes", "chunk frames sent (rate() = flushes per second)", registry=r)
-        self.tokens = Counter("gateway_tokens_sent", "output tokens sent to clients", registry=r)
-        self.frames = Counter("gateway_frames_sent", "all frames sent", registry=r)
+        self.flushes = HotCounter("gateway_flushes", "chunk frames sent (rate() = flushes per second)")
+        self.tokens = HotCounter("gateway_tokens_sent", "output tokens sent to clients")
+        self.frames = HotCounter("gateway_frames_sent", "all frames sent")
+        r.register(HotCounters(self.flushes, self.tokens, self.frames))
         self.slow_consumers = Counter("gateway_slow_consumer_closes", "sockets closed for not reading", registry=r)
         self.sender_failures = Counter("gateway_sender_failures", "sockets closed because sending failed (a bug: "
                                                                   "see the log)", registry=r)

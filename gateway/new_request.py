@@ -57,12 +57,35 @@ def check_prompt_chars(msg: Generate, limit: int) -> None:
                             msg.id)
 
 
+def sampling_params(msg: Generate, max_tokens: int) -> SamplingParams:
+    """The generate's sampling fields as the request entry carries them."""
+    if msg.min_tokens > max_tokens:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"min_tokens {msg.min_tokens} exceeds max_tokens {max_tokens}",
+                            msg.id, param="min_tokens")
+    return SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
+                          top_k=max(msg.top_k, 0), seed=msg.seed, stop=list(msg.stop),
+                          grammar=grammar_for(msg.response_format, msg.tools, msg.tool_choice),
+                          logprobs=(msg.top_logprobs or 0) if msg.logprobs else None,
+                          ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
+                          frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
+                          logit_bias={int(k): v for k, v in msg.logit_bias.items()} if msg.logit_bias else None,
+                          min_p=msg.min_p, min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids),
+                          include_stop_str_in_output=msg.include_stop_str_in_output,
+                          skip_special_tokens=msg.skip_special_tokens, prompt_logprobs=msg.prompt_logprobs,
+                          echo=msg.echo)
+
+
 def entry_prompt(msg: Generate) -> tuple[str | None, list[dict] | None, list[dict] | None]:
     """(prompt, messages, tools) as the request entry carries them to the worker's prompt
     building; a /tokenize request sends the same, so it gets the ids a generate would run."""
     messages = [m.model_dump(exclude_none=True) for m in msg.messages] if msg.messages is not None else None
     tools = [t.model_dump(exclude_none=True) for t in msg.tools] if msg.tools and msg.tool_choice != "none" else None
     return msg.prompt, messages, tools
+
+
+def route_text(msg: Generate) -> str | None:
+    """What routes a raw prompt (shared.routing): its text, or its token ids spelled out."""
+    return msg.prompt if msg.prompt_ids is None else " ".join(map(str, msg.prompt_ids[:1024]))
 
 
 class RequestStarter:
@@ -89,6 +112,7 @@ class RequestStarter:
                                 f"max_tokens {max_tokens} exceeds the server cap of {s.max_tokens_cap}", cid)
         if len(msg.stop) > s.max_stop_strings:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"at most {s.max_stop_strings} stop strings", cid)
+        params = sampling_params(msg, max_tokens)
         idem = None
         if msg.idempotency_key is not None:
             anonymous = is_anonymous(key_id)
@@ -109,16 +133,13 @@ class RequestStarter:
         scope = cache_scope(key_id, msg.cache_salt)
         entry = RequestEntry(
             rid=rid,
-            params=SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                                  top_k=msg.top_k, seed=msg.seed, stop=list(msg.stop),
-                                  grammar=grammar_for(msg.response_format, msg.tools, msg.tool_choice),
-                                  logprobs=(msg.top_logprobs or 0) if msg.logprobs else None,
-                                  ignore_eos=msg.ignore_eos),
+            params=params,
             prompt=prompt,
+            prompt_ids=list(msg.prompt_ids) if msg.prompt_ids is not None else None,
             messages=messages,
             tools=tools,
             priority=msg.priority, created_ms=int(time.time() * 1000), key_id=key_id, gw=self.gw_id,
-            route=self.router.pick(msg.prompt_cache_key, prompt, messages, scope), cache_salt=scope,
+            route=self.router.pick(msg.prompt_cache_key, route_text(msg), messages, scope), cache_salt=scope,
         )
         # leases of this key that ended here but are still queued for release go first
         release = self.bookkeeper.take_releases(key_id) + ([replaces] if replaces else [])

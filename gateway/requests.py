@@ -23,6 +23,7 @@ the leases of requests it serves.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Awaitable, Callable
@@ -37,6 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_log import CancelWatch, cancel_confirmed, log_finished
 from gateway.request_state import Phase, RequestState
 from gateway.settings import GatewaySettings
+from gateway.wake import WakeEvent
 from shared.errors import ErrorCode
 from shared.events import AttachMarker, DoneEvent, ErrEvent, Event, HistoryEvent, Moved, TokEvent
 from shared.protocol import Done
@@ -50,7 +52,7 @@ HistoryReader = Callable[[str, int], Awaitable[list[HistoryEvent]]]
 
 
 class RequestTable:
-    def __init__(self, wake: asyncio.Event, *, reader: Inbox, read_history: HistoryReader, bookkeeper: Bookkeeper,
+    def __init__(self, wake: WakeEvent, *, reader: Inbox, read_history: HistoryReader, bookkeeper: Bookkeeper,
                  metrics: GatewayMetrics, settings: GatewaySettings, cancel_watch: CancelWatch | None = None):
         self._wake = wake
         self.cancel_watch = cancel_watch    # cancelled requests that end with their session
@@ -87,7 +89,7 @@ class RequestTable:
         self._by_id[cid] = req
         self.metrics.active_requests.inc()
         # subscribe before the request is queued (or attached), so no live event can be missed
-        req.sub = self.reader.subscribe(rid, lambda ev: self.on_event(req, ev), lambda: self._taken_over(req))
+        req.sub = self.reader.subscribe(rid, functools.partial(self.on_event, req), lambda: self._taken_over(req))
         return req
 
     def drop(self, req: RequestState) -> None:
@@ -185,29 +187,31 @@ class RequestTable:
 
     def on_event(self, req: RequestState, ev: Event) -> None:
         """A live event from the inbox (never awaits)."""
-        if req.finished:
+        if req.phase is Phase.ENDED:
             return
-        if isinstance(ev, Moved):
+        if isinstance(ev, (TokEvent, DoneEvent, ErrEvent)):
+            req.progress_at = now = time.monotonic()
+            self._deliver(req, req.join.live(ev), now)
+        elif isinstance(ev, Moved):
             # a resume newer than ours, on another gateway (while our own attach is in flight we
             # do not know our att yet, and an older notice must not end us: ignored then)
             if ev.att > req.att and req.sub is not None and req.phase is not Phase.OPENING:
                 self.reader.unsubscribe(req.sub)             # (req.moved from now on)
                 self._taken_over(req)
             return
-        req.progress_at = time.monotonic()
-        if isinstance(ev, AttachMarker):
-            if ev.att >= req.att:
+        else:
+            req.progress_at = time.monotonic()
+            if isinstance(ev, AttachMarker) and ev.att >= req.att:
                 req.join.marker()         # everything before this marker is in the history
-        elif isinstance(ev, (TokEvent, DoneEvent, ErrEvent)):
-            self._deliver(req, req.join.live(ev))
-        self._read_if_wanted(req)
+        if req.join.wants_read:
+            self._read_if_wanted(req)
 
     def read_now(self, req: RequestState) -> None:
         """Read the history after what this request has (no owner yet, or an attach retry)."""
         req.join.wants_read = True
         self._read_if_wanted(req)
 
-    def _deliver(self, req: RequestState, events: list[HistoryEvent]) -> None:
+    def _deliver(self, req: RequestState, events: list[HistoryEvent], now: float | None = None) -> None:
         join = req.join
         if join.stale != req.stale_seen:
             self.metrics.stale_events.inc(join.stale - req.stale_seen)
@@ -216,16 +220,20 @@ class RequestTable:
             return
         if join.gap is not None:
             log.warning("request %s ends with output_lost: %s", req.rid, join.gap, extra=rid_of(req.rid))
-        now = time.monotonic()
-        was_empty = req.buffer.empty
+        if now is None:
+            now = time.monotonic()
+        buffer = req.buffer
         for ev in events:
-            if isinstance(ev, TokEvent):
+            if type(ev) is TokEvent:
                 if ev.prompt_tokens:
                     req.prompt_tokens = ev.prompt_tokens
-                req.buffer.add(ev.text, len(ev.ids), ev.seq, now, ev.logprobs)
-        if req.cancel_at is not None and req.final is not None:
-            cancel_confirmed(req, req.final, self.metrics, now)
-        if was_empty or req.final is not None or req.buffer.due(now):
+                buffer.add(ev.text, len(ev.ids), ev.seq, now, ev.logprobs, ev.prompt)
+        final = join.final
+        if final is not None:
+            if req.cancel_at is not None:
+                cancel_confirmed(req, final, self.metrics, now)
+            self._wake.set()
+        elif self._wake.needed(buffer.deadline()):     # else the sender looks by itself in time
             self._wake.set()
 
     def _read_if_wanted(self, req: RequestState) -> None:

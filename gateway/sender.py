@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 
@@ -32,25 +33,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_state import RequestState
 from gateway.requests import RequestTable
 from gateway.settings import GatewaySettings
+from gateway.wake import WakeEvent
 from gateway.writer import CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Payload, Writer
 from shared.aio import cancel_and_wait, wait_event
 from shared.errors import ErrorCode
 from shared.protocol import Error, Heartbeat
 
 log = logging.getLogger("gateway.connection")
-
-
-class WakeEvent(asyncio.Event):
-    """The sender's wake-up: setting it also starts the sender task if none is running, so an
-    idle socket needs no task at all (see heartbeats.py for how heartbeats reach it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.on_set = lambda: None
-
-    def set(self) -> None:
-        super().set()
-        self.on_set()
 
 
 class Sender:
@@ -104,6 +93,7 @@ class Sender:
 
     def _ended(self, task: asyncio.Task) -> None:
         if task is self._task:      # (a newer task may already run: it stays busy)
+            self._wake.until = math.inf
             self.on_running(False)
         if task.cancelled() or task.exception() is None or self._stopped:
             return
@@ -190,21 +180,27 @@ class Sender:
     # ------------------------------------------------------------------ the loop
 
     async def _send_loop(self) -> None:
-        socket = self.socket
+        socket, wake = self.socket, self._wake
         while True:
-            if not self._wake.is_set():
+            if not wake.is_set():
                 if not self._control and not len(self.requests) and self.closing is None:
+                    wake.until = math.inf
                     return      # idle: no task while there is nothing to send (the wheel sends heartbeats)
-                timeout = self._next_timeout()
-                if timeout is None:
-                    await self._wake.wait()
-                elif timeout > 0:
-                    await wait_event(self._wake, timeout)  # not wait_for: it can lose stop()'s cancel (3.11)
+                now = time.monotonic()
+                at = self._next_look(now)
+                if at is None:
+                    wake.until = math.inf
+                    await wake.wait()
+                elif at > now:
+                    wake.until = at     # buffers due before then wake it (gateway.wake)
+                    await wait_event(wake, at - now)  # not wait_for: it can lose stop()'s cancel (3.11)
                 else:
+                    wake.until = -math.inf
                     await asyncio.sleep(0)  # never starve the loop, whatever is due
             else:
                 await asyncio.sleep(0)
-            self._wake.clear()
+            wake.until = -math.inf          # awake: it looks at every buffer before it sleeps again
+            wake.clear()
             now = time.monotonic()
             closing = self.closing is not None
             if not closing:
@@ -227,18 +223,20 @@ class Sender:
                 if time.monotonic() - socket.last_send >= self.s.heartbeat_s / 2:
                     await socket.send(Heartbeat(ts=time.time()))
 
-    def _next_timeout(self) -> float | None:
-        """Seconds until the soonest buffer is due; None when nothing is buffered."""
+    def _next_look(self, now: float) -> float | None:
+        """When the next pass is due: the soonest time a buffer asks to be looked at (its
+        deadline, or the end of the interval an empty buffer's last flush started, so the first
+        token after a flush needs no wake-up of its own); None when nothing asks."""
         soonest = None
         for req in self.requests.values():
             # only what a pass can send: a request's first event may arrive before its `accepted`
             # is queued (the worker is fast), and must not turn this loop into a busy one
             if not req.streaming:
                 continue
-            d = req.buffer.deadline()
-            if d is not None and (soonest is None or d < soonest):
-                soonest = d
-        return None if soonest is None else max(0.0, soonest - time.monotonic())
+            at = req.buffer.look_at(now)
+            if at is not None and (soonest is None or at < soonest):
+                soonest = at
+        return soonest
 
     async def _flush_request(self, req: RequestState, now: float) -> None:
         if req.buffer.due(now) or (req.final is not None and not req.buffer.empty):

@@ -17,6 +17,8 @@ class GatewaySettings(Settings):
     responses_ttl_s: int = Field(
         3600, description="how long a stored Responses API response (`store`: true) is kept: its request, input "
                           "and, once read finished, its output (the output history itself lasts OUTPUT_TTL_S)")
+    max_n: int = Field(8, ge=1, description="most choices (`n`) one OpenAI request may ask for; each choice is a "
+                                          "request of its own (per-key limits and admission count each)")
     slow_consumer_s: float = Field(10.0, description="a send blocked this long closes the socket (SLOW_CONSUMER)")
     auth_timeout_s: float = Field(10.0, description="how long a socket may stay unauthenticated waiting for {type: auth}")
     admission_cache_ms: int = Field(200, description="how long one read of the queue depth is reused")

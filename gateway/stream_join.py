@@ -65,11 +65,16 @@ class StreamJoin:
 
     def live(self, ev: HistoryEvent) -> list[HistoryEvent]:
         """A live event from the inbox; returns what to deliver now."""
-        if self.ended or self._stale(ev):
+        if self.final is not None or self.gap is not None or self._stale(ev):
             return []
         if self.attaching or self.reading:
             self._hold(ev)
             return []
+        if type(ev) is TokEvent:      # the usual case, the tokens right after the last delivered one
+            n = len(ev.ids)
+            if n and ev.seq - n == self.delivered:
+                self.delivered = ev.seq
+                return [ev]
         out: list[HistoryEvent] = []
         self._offer(ev, out, self._reads_started)
         return out

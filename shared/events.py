@@ -10,7 +10,7 @@ is skipped.
 
 | class          | `k`    | where                       | what                                          |
 |----------------|--------|-----------------------------|-----------------------------------------------|
-| `TokEvent`     | `tok`  | history `{seq}-0`, inbox    | tokens `seq-n+1 .. seq` (ids, text, logprobs) |
+| `TokEvent`     | `tok`  | history `{seq}-0`, inbox    | tokens `seq-n+1 .. seq` (ids, text, logprobs, echo) |
 | `DoneEvent`    | `done` | history `{seq}-1`, inbox    | the request's final: finish_reason and usage  |
 | `ErrEvent`     | `err`  | history `{seq}-1`, inbox    | the request's final: a typed error            |
 | `AttachMarker` | `att`  | inbox only                  | "everything <= seq is in the history"         |
@@ -64,6 +64,9 @@ class TokEvent:
     logprobs: list | None = None
     prompt_tokens: int = 0
     lens: list[int] | bytes | None = None     # bytes: as decoded from the wire (one length a byte)
+    # echo / prompt logprobs (`pr`): [prompt text or None, prompt token entries or None], on the
+    # event holding a request's first token only (a `tail` has none: it was delivered before)
+    prompt: list | None = None
 
     @property
     def n(self) -> int:
@@ -90,6 +93,8 @@ class TokEvent:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(out.logprobs)
+        if out.prompt is not None:
+            self.prompt = out.prompt
 
     @property
     def first(self) -> int:
@@ -103,6 +108,8 @@ class TokEvent:
             event["pt"] = self.prompt_tokens
         if self.logprobs is not None:
             event["lp"] = self.logprobs
+        if self.prompt is not None:
+            event["pr"] = self.prompt
         lens = self.lens
         if len(self.ids) > 1 and lens is not None and len(lens) == len(self.ids):
             try:        # one byte a token (a bin decodes as one object, not a list of ints)
@@ -134,14 +141,15 @@ class TokEvent:
     def from_map(cls, d: dict) -> "TokEvent":
         try:        # the hot path: a map our own encoder wrote
             return cls(d["rid"], d["seq"], d["ids"], d["text"], d["ep"], d["ms"], d.get("lp"), d.get("pt", 0),
-                       d.get("tl"))
+                       d.get("tl"), d.get("pr"))
         except KeyError:
             pass
         ids = d.get("ids")
         tl = d.get("tl")
         return cls(d.get("rid") or "", int(d.get("seq") or 0), ids if isinstance(ids, list) else [],
                    d.get("text") or "", int(d.get("ep") or 0), int(d.get("ms") or 0), d.get("lp"),
-                   int(d.get("pt") or 0), tl if isinstance(tl, (list, bytes)) else None)
+                   int(d.get("pt") or 0), tl if isinstance(tl, (list, bytes)) else None,
+                   d.get("pr") if isinstance(d.get("pr"), list) else None)
 
 
 def _lens_without_field(ev: TokEvent) -> list[int] | None:

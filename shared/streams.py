@@ -40,7 +40,7 @@ import msgpack
 
 from shared.events import EVENT_VERSION
 from shared.protocol import MAX_TOP_LOGPROBS, PROTOCOL_VERSION
-from shared.sampling import SamplingParams
+from shared.sampling import NEUTRAL, SamplingParams, invalid_control
 
 CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"d"
@@ -165,6 +165,7 @@ class RequestEntry:
     # prefix-cache scope: salts the root of its KV block hash chain, so it shares cached blocks
     # only with requests of the same scope ("": deployment-wide; gateway.cache_scope)
     cache_salt: str = ""
+    prompt_ids: list[int] | None = None    # a prompt given as token ids (completions), instead of prompt/messages
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -181,13 +182,21 @@ class RequestEntry:
             del fields["params"]["logprobs"]    # what workers older than logprobs can read
         if not fields["params"]["ignore_eos"]:
             del fields["params"]["ignore_eos"]  # what workers older than ignore_eos can read
+        for name, neutral in NEUTRAL.items():   # what workers older than these controls can read
+            if fields["params"][name] == neutral:
+                del fields["params"][name]
+        for name, usual in (("prompt_logprobs", None), ("echo", False)):   # older workers read it without
+            if fields["params"][name] == usual:
+                del fields["params"][name]
+        if fields["prompt_ids"] is None:
+            del fields["prompt_ids"]
         return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def decode(cls, raw: bytes) -> "RequestEntry":
         """Raises ValueError on anything malformed (the caller dead-letters it)."""
         try:
-            obj = msgpack.unpackb(raw, raw=False)
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)   # logit_bias: int keys
         except Exception as exc:
             raise ValueError(f"undecodable entry: {exc}") from None
         if not isinstance(obj, dict):
@@ -202,9 +211,17 @@ class RequestEntry:
             raise ValueError(f"malformed entry: {exc}") from None
         if not isinstance(entry.rid, str) or not entry.rid:
             raise ValueError("entry has no rid")
-        if (entry.prompt is None) == (entry.messages is None):
-            raise ValueError("entry needs exactly one of prompt/messages")
+        if [entry.prompt, entry.messages, entry.prompt_ids].count(None) != 2:
+            raise ValueError("entry needs exactly one of prompt/messages/prompt_ids")
+        if entry.prompt_ids is not None and not (isinstance(entry.prompt_ids, list) and entry.prompt_ids
+                                                 and all(type(t) is int for t in entry.prompt_ids)):
+            raise ValueError("bad prompt_ids")
         p = entry.params
+        if p.prompt_logprobs is not None and not (type(p.prompt_logprobs) is int
+                                                  and 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError("bad prompt_logprobs")
+        if type(p.echo) is not bool:
+            raise ValueError("bad echo")
         if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):
             raise ValueError("bad max_tokens")
         if not (isinstance(p.temperature, (int, float)) and 0 <= p.temperature <= 2):
@@ -223,6 +240,8 @@ class RequestEntry:
             raise ValueError("bad cache_salt")
         if type(p.ignore_eos) is not bool:
             raise ValueError("bad ignore_eos")
+        if (bad := invalid_control(p)) is not None:
+            raise ValueError(f"bad {bad[0]}")
         return entry
 
 

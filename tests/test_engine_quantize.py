@@ -292,6 +292,7 @@ def test_auto_runs_a_q4_1_gguf_in_4_bits_only_on_a_cpu_with_native_bf16(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)     # CPU-bound on the real model: minutes when it shares a busy box
 def test_smollm2_in_4_bits_stays_close_to_float32_and_the_engine_equals_generate():
     """The real model: its Q4_1 projections loaded as 4-bit weights. Teacher-forced on this
     repository's docs, its next-token choice agrees with float32's almost everywhere and its

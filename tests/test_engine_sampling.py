@@ -6,6 +6,7 @@ differences in their logits; parameters come from per-slot rows written once."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -186,3 +187,42 @@ def test_only_the_rows_a_width_cannot_settle_go_wider(monkeypatch, seeded):
         got = counts[r] / counts[r].sum()
         assert got[wants[r] == 0].sum() == 0
         assert 0.5 * (got - wants[r]).abs().sum() < 0.04
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
+@pytest.mark.parametrize("temperature,min_p,top_k,top_p", [(1.0, 0.1, 0, 1.0), (1.5, 0.3, 0, 0.8), (0.8, 0.25, 6, 1.0)])
+def test_min_p_rows_draw_from_their_distribution_beside_rows_without(temperature, min_p, top_k, top_p, seeded):
+    """vLLM's min-p, after temperature, before top-k / top-p: tokens less likely than min_p times
+    the most likely one are dropped, the rest renormalized. Rows without min-p in the same batch
+    (every tenth) draw exactly what they draw without such neighbours."""
+    logits = logits_row(3)
+    probs = (logits.double() / temperature).softmax(-1)
+    kept = torch.where(probs >= min_p * probs.max(), logits.double(), torch.tensor(float("-inf"), dtype=torch.float64))
+    want = expected(kept, temperature, top_k, top_p)
+    assert 0 < int((want > 0).sum()) < int((expected(logits, temperature, top_k, top_p) > 0).sum())
+    rows = 2000
+    plain = np.arange(rows) % 10 == 9
+    batch = logits[None].expand(rows, V).contiguous()
+    counts = torch.zeros(V, dtype=torch.float64)
+    shared = make_generator(4, "cpu")
+    for i in range(DRAWS // int((~plain).sum()) + 1):
+        gens = [make_generator(1000 * i + s, "cpu") for s in range(rows)] if seeded else [None] * rows
+        params = row_params([temperature] * rows, [top_k] * rows, [top_p] * rows, gens, "cpu",
+                            min_p=np.where(plain, 0.0, min_p).tolist())
+        ids = sample(batch, params, shared)
+        counts += torch.bincount(ids[torch.from_numpy(~plain)], minlength=V).double()
+        if seeded and i == 0:   # a row without min-p: the same draws as in a batch without any
+            picked = np.flatnonzero(plain)
+            alone = draw(batch[picked], [temperature] * len(picked), [top_k] * len(picked), [top_p] * len(picked),
+                         [make_generator(int(s), "cpu") for s in picked])
+            assert torch.equal(ids[torch.from_numpy(plain)], alone)
+    got = counts / counts.sum()
+    assert got[want == 0].sum() == 0
+    assert 0.5 * (got - want).abs().sum() < 0.03
+
+
+def test_min_p_1_is_greedy():
+    batch = torch.stack([logits_row(s) for s in range(8)])
+    ids = sample(batch, row_params([1.5] * 8, [0] * 8, [1.0] * 8, [None] * 4 + [make_generator(s, "cpu") for s in range(4)],
+                                   "cpu", min_p=[1.0] * 8), make_generator(1, "cpu"))
+    assert torch.equal(ids, batch.argmax(-1))

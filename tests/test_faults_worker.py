@@ -27,6 +27,10 @@ from tests.worker_redis import (beats_after, check_seqs, client_view, history, l
                                 pending_after_acks, read_events, read_inbox, submit, text_of, wait_for_tokens,
                                 worker_info)
 
+# seeded, with every sampling control that depends on the tokens produced so far (EOS never
+# sampled, so it runs to max_tokens like the others)
+CONTROLLED = dict(temperature=0.9, seed=9, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3,
+                  logit_bias={300: 2.0, 301: -3.0}, min_p=0.02, min_tokens=40, ignore_eos=True)
 FAST_CLAIM = {"CLAIM_IDLE_MS": 1500, "WORKER_HEARTBEAT_S": 0.5, "WORKER_TTL_S": 2, "MAX_SEQ_LEN": 2048}
 PROMPT = "Once upon a time"
 
@@ -94,21 +98,24 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
     sampling finishes too (no worker_lost), and what the client holds is exactly what was delivered
     before the kill followed by what was generated after; greedy and seeded runs still equal an
     uninterrupted run on CPU. The greedy one asks for logprobs: the continuation's entries go on
-    where the first run's stopped (text offsets included) and equal the uninterrupted run's."""
+    where the first run's stopped (text offsets included) and equal the uninterrupted run's. A
+    seeded one with every sampling control (penalties over the output so far, logit bias, min-p,
+    min_tokens) too: the claiming worker rebuilt its counts from the delivered ids."""
     from transformers import AutoTokenizer
     keys = Keys(stream_prefix)
     gw = "g-kill"
     procs = two_workers(redis_server.url, stream_prefix, tiny_model_dir, tmp_path, FAST_CLAIM)
     try:
-        greedy, seeded, rnd = new_rid(), new_rid(), new_rid()
+        greedy, seeded, rnd, controlled = new_rid(), new_rid(), new_rid(), new_rid()
         await submit_together(redis_client, keys, [entry(greedy, max_tokens=600, temperature=0.0, logprobs=2),
                                                    entry(seeded, max_tokens=600, temperature=0.9, seed=7),
+                                                   entry(controlled, max_tokens=600, **CONTROLLED),
                                                    RequestEntry(rid=rnd, params=SamplingParams(max_tokens=600,
                                                                                                temperature=1.0),
                                                                 prompt=PROMPT, gw=gw)])
-        for rid in (greedy, seeded, rnd):
+        for rid in (greedy, seeded, rnd, controlled):
             await wait_for_tokens(redis_client, keys, rid, 20)
-        owners = {await owner_of(redis_client, keys, r) for r in (greedy, seeded, rnd)}
+        owners = {await owner_of(redis_client, keys, r) for r in (greedy, seeded, rnd, controlled)}
         assert len(owners) == 1
         victim = next(p for p, name in zip(procs, ("wa", "wb")) if name in owners)
         survivor = next(p for p in procs if p is not victim)
@@ -117,13 +124,14 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         victim.popen.wait(10)
         assert await eventually(lambda: not pid_alive(engine), timeout=10), "the engine process outlived its worker"
         before = {}
-        for rid in (greedy, seeded, rnd):  # a killed worker writes nothing more: they were mid-stream
+        for rid in (greedy, seeded, rnd, controlled):  # a killed worker writes nothing more: they were mid-stream
             before[rid] = await history(redis_client, keys, rid)
             assert before[rid][-1]["k"] == "tok", "finished before the kill"
 
         ev_greedy = await read_events(redis_client, keys, greedy, timeout=60)
         ev_seeded = await read_events(redis_client, keys, seeded, timeout=60)
         ev_rnd = await read_events(redis_client, keys, rnd, timeout=60)
+        ev_controlled = await read_events(redis_client, keys, controlled, timeout=60)
         # random sampling: finished normally, the delivered events untouched, the rest from epoch 2
         # (a random run may sample EOS before 600 tokens: "stop")
         assert ev_rnd[-1]["k"] == "done" and ev_rnd[-1]["usage"]["completion_tokens"] == ev_rnd[-1]["seq"], ev_rnd[-1]
@@ -144,8 +152,9 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
         filled = {e["seq"] for e in ev_rnd} - {e["seq"] for e in live[rnd]}
         assert all(e["ep"] == 1 for e in ev_rnd if e["seq"] in filled), "only the dead worker's last write may miss live"
         # deterministic ones finish seamlessly: seq continues, text identical to an uninterrupted run
-        for rid, params in ((greedy, dict(temperature=0.0, logprobs=2)), (seeded, dict(temperature=0.9, seed=7))):
-            events = ev_greedy if rid == greedy else ev_seeded
+        for rid, params, events in ((greedy, dict(temperature=0.0, logprobs=2), ev_greedy),
+                                    (seeded, dict(temperature=0.9, seed=7), ev_seeded),
+                                    (controlled, CONTROLLED, ev_controlled)):
             assert events[-1]["k"] == "done" and events[-1]["finish_reason"] == "length"
             check_seqs(events)
             assert events[-1]["usage"]["completion_tokens"] == 600
@@ -160,8 +169,8 @@ async def test_sigkill_mid_stream_continues_exactly_whatever_the_sampling(redis_
                 assert all(abs(a[1] - b[1]) < 1e-3 for a, b in zip(got, want))
             # the claiming worker stamps the next epoch (meta.epoch bumped on claim)
             assert {e["ep"] for e in events} == {1, 2} and events[-1]["ep"] == 2
-        # all three continued from their delivered tokens (none recomputed from the start, none lost)
-        assert metric(await scrape(survivor), "worker_continuations_total") == 3
+        # all four continued from their delivered tokens (none recomputed from the start, none lost)
+        assert metric(await scrape(survivor), "worker_continuations_total") == 4
         assert survivor.alive()
         assert await pending_after_acks(redis_client, keys) == 0
         # the registry no longer lists the dead worker (silent > WORKER_TTL_S), only the survivor

@@ -111,7 +111,7 @@ async def test_errors_have_openai_shape_and_status(redis_server, oai_stack):
             await oai(gw, "wrong").models.list()
         client = oai(gw, key)
         cases = [
-            (dict(n=2), openai.BadRequestError, "unsupported_parameter", "n"),
+            (dict(n=99), openai.BadRequestError, "invalid_request", "n"),
             (dict(functions=[{"name": "f", "parameters": {}}]),
              openai.BadRequestError, "unsupported_parameter", "functions"),
             (dict(logprobs=True, top_logprobs=21), openai.BadRequestError, "invalid_request", "top_logprobs"),

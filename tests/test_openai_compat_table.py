@@ -100,8 +100,10 @@ def test_the_table_parses_and_names_what_the_code_ignores_and_refuses():
 # ---------------------------------------------------------------- the probes
 
 class Ctx:
-    def __init__(self, gw):
+    def __init__(self, gw, model_dir=None):
         self.gw = gw
+        self.model_dir = model_dir
+        self._engine = None
         self.client = AsyncOpenAI(base_url=gw.base + "/v1", api_key="none", max_retries=0, timeout=60)
         self.http = httpx.AsyncClient(base_url=gw.base, timeout=60)
         self.chat_text = ""
@@ -119,6 +121,26 @@ class Ctx:
     async def completion(self, **fields):
         return await self.client.completions.create(
             **{"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, **fields})
+
+    def engine(self):
+        """(engine, tokenizer): the worker's engine on the stack's model, in this process."""
+        from tests.test_faults_worker import reference_engine
+        if self._engine is None:
+            self._engine = reference_engine(self.model_dir)
+        return self._engine
+
+    def reference(self, chat: bool = True, **params) -> tuple[str, list[int], str]:
+        """(text, token ids, finish_reason) of the worker's own engine, run here on the same tiny
+        model, for CHAT (or PROMPT) with these sampling parameters (greedy unless they say)."""
+        from shared.sampling import SamplingParams
+        from worker.engine import EngineRequest, build_prompt_ids
+        engine, tokenizer = self.engine()
+        ids = build_prompt_ids(tokenizer, None if chat else PROMPT, CHAT if chat else None)
+        engine.add(EngineRequest("ref", ids, SamplingParams(**{"temperature": 0.0, **params})))
+        outs = []
+        while engine.has_work:
+            outs += engine.step()
+        return "".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1].finish_reason
 
 
 def classify_400(exc: openai.BadRequestError, param: str) -> str:
@@ -481,7 +503,7 @@ async def p_request_id(ctx: Ctx, _=None) -> str:
 
 
 async def p_errors(ctx: Ctx, _=None) -> str:
-    for call, kind, status in [(ctx.chat(n=2), openai.BadRequestError, 400),
+    for call, kind, status in [(ctx.chat(n=99), openai.BadRequestError, 400),
                                (ctx.chat(model="nope"), openai.NotFoundError, 404),
                                (ctx.client.embeddings.create(model=MODEL, input="x"), openai.NotFoundError, 404),
                                (ctx.client.post("/models", cast_to=object, body={}), openai.APIStatusError, 405)]:
@@ -509,6 +531,45 @@ async def p_logprobs(ctx: Ctx, _=None) -> str:
     assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
     text = await ctx.completion(logprobs=2)
     assert text.choices[0].text == ctx.text and len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
+    return "yes"
+
+
+async def p_n(ctx: Ctx, _=None) -> str:
+    """Choices: each is the single request with seed + i (tests/test_openai_choices.py: streamed,
+    cancelled, sharing the prompt's cache)."""
+    r = await ctx.chat(n=3, temperature=1.0, seed=4)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert texts == [(await ctx.chat(temperature=1.0, seed=4 + i)).choices[0].message.content for i in range(3)]
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == (await ctx.chat()).usage.prompt_tokens
+    ends = [c.choices[0].index async for c in await ctx.completion(n=2, stream=True) if c.choices[0].finish_reason]
+    assert sorted(ends) == [0, 1]
+    with pytest.raises(openai.BadRequestError) as info:
+        await ctx.chat(n=99)
+    assert info.value.body["param"] == "n"
+    return "yes"
+
+
+async def p_echo(ctx: Ctx, _=None) -> str:
+    r = await ctx.completion(echo=True)
+    assert r.choices[0].text == PROMPT + ctx.text and r.usage.completion_tokens == 6
+    alone = await ctx.completion(echo=True, max_tokens=0)
+    assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
+    return "yes"
+
+
+async def p_prompt_logprobs(ctx: Ctx, _=None) -> str:
+    """The prompt's tokens first, the first null (tests/test_lm_eval.py checks the values against
+    transformers through lm-evaluation-harness); a token-id prompt gets the same."""
+    r = await ctx.completion(echo=True, logprobs=1)
+    lp, n = r.choices[0].logprobs, r.usage.prompt_tokens
+    assert len(lp.tokens) == n + 6 and "".join(lp.tokens[:n]) == PROMPT and r.choices[0].text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(top[tok] == p for tok, p, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    ids = (await ctx.http.post("/tokenize", json={"prompt": PROMPT})).json()["tokens"]
+    by_ids = await ctx.completion(prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    assert by_ids.choices[0].logprobs.tokens == lp.tokens[:n] and by_ids.choices[0].text == PROMPT
+    assert by_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
     return "yes"
 
 
@@ -551,6 +612,110 @@ async def p_response_format(ctx: Ctx, _=None) -> str:
         await ctx.chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}})
     assert info.value.body["param"] == "response_format"
     return "yes"
+
+# ---- sampling controls (OpenAI's penalties and logit_bias, vLLM's extensions): each answer
+# equals the worker's own engine run here with the same control (tests/test_engine_penalties.py
+# checks that engine against transformers' processors) and differs from the answer without it;
+# a bad value is a 400 naming the field
+
+async def refused_400(call, param: str) -> None:
+    try:
+        await call
+    except openai.BadRequestError as exc:
+        assert exc.body["param"] == param and exc.body["type"] == "invalid_request_error", exc.body
+    else:
+        raise AssertionError(f"a bad {param} was accepted")
+
+
+def control(name: str, value: Any, bad: Any) -> Callable[[Ctx, Any], Awaitable[str]]:
+    """Greedy with the control on both routes equals the reference, which it changed."""
+    async def probe(ctx: Ctx, _=None) -> str:
+        for chat in (True, False):
+            call = ctx.chat if chat else ctx.completion
+            r = await call(max_tokens=12, extra_body={name: value})
+            got = r.choices[0].message.content if chat else r.choices[0].text
+            want, plain = ctx.reference(chat, max_tokens=12, **{name: value})[0], ctx.reference(chat, max_tokens=12)[0]
+            assert got == want != plain, (name, chat, got, want, plain)
+        await refused_400(ctx.chat(extra_body={name: bad}), name)
+        return "yes"
+    return probe
+
+
+async def p_logit_bias(ctx: Ctx, _=None) -> str:
+    """Forbids the greedy first token, forces another; an id outside the vocabulary (the worker
+    refuses it before any token) or a bias over 100: 400 naming it."""
+    _, plain, _ = ctx.reference(max_tokens=6)
+    bias = {plain[0]: -100.0, 4321: 5.0}
+    r = await ctx.chat(max_tokens=6, logit_bias={str(k): v for k, v in bias.items()})
+    assert r.choices[0].message.content == ctx.reference(max_tokens=6, logit_bias=bias)[0]
+    forced = await ctx.completion(max_tokens=4, temperature=1.0, logit_bias={"4321": 100})
+    assert forced.choices[0].text == ctx.reference(False, max_tokens=4, logit_bias={4321: 100.0})[0]
+    assert ctx.reference(False, max_tokens=4, logit_bias={4321: 100.0})[1] == [4321] * 4
+    await refused_400(ctx.chat(logit_bias={"999999": 1}), "logit_bias")
+    await refused_400(ctx.chat(logit_bias={"5": 101}), "logit_bias")
+    return "yes"
+
+
+def narrowing(name: str, greedy_value: Any, off: Any, bad: Any) -> Callable[[Ctx, Any], Awaitable[str]]:
+    """A control that keeps only the most likely token at `greedy_value` (top_k 1, min_p 1):
+    greedy at any temperature and seed; at `off` the same draw as without it."""
+    async def probe(ctx: Ctx, _=None) -> str:
+        greedy = await sampled(ctx, temperature=0)
+        for seed in (1, 2):
+            assert await sampled(ctx, temperature=1.5, seed=seed, extra_body={name: greedy_value}) == greedy
+        plain = await sampled(ctx, temperature=1.5, seed=3)
+        assert await sampled(ctx, temperature=1.5, seed=3, extra_body={name: off}) == plain != greedy
+        await refused_400(ctx.chat(extra_body={name: bad}), name)
+        return "yes"
+    return probe
+
+
+async def p_min_tokens(ctx: Ctx, _=None) -> str:
+    """EOS all but forced: the answer ends at once, or after min_tokens tokens."""
+    eos = min(ctx.engine()[0].eos_ids)
+    for m in (0, 4):
+        r = await ctx.chat(max_tokens=10, logit_bias={str(eos): 100}, extra_body={"min_tokens": m})
+        assert r.usage.completion_tokens == m + 1 and r.choices[0].finish_reason == "stop", r
+    await refused_400(ctx.chat(max_tokens=3, extra_body={"min_tokens": 4}), "min_tokens")
+    return "yes"
+
+
+async def p_stop_token_ids(ctx: Ctx, _=None) -> str:
+    """The answer ends at the first of the ids, finish_reason stop, its text left out unless
+    include_stop_str_in_output."""
+    _, plain, _ = ctx.reference(False, max_tokens=12)
+    stop_id = plain[3]
+    first = plain.index(stop_id)
+    for include in (False, True):
+        body = {"stop_token_ids": [stop_id], "include_stop_str_in_output": include}
+        r = await ctx.completion(max_tokens=12, extra_body=body)
+        text, ids, reason = ctx.reference(False, max_tokens=12, stop_token_ids=[stop_id],
+                                          include_stop_str_in_output=include)
+        assert r.choices[0].text == text and ids == plain[:first + 1] and reason == "stop"
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    await refused_400(ctx.chat(extra_body={"stop_token_ids": [-1]}), "stop_token_ids")
+    return "yes"
+
+
+async def p_include_stop_str(ctx: Ctx, _=None) -> str:
+    """The stop string stays at the end of the text (p_stop_token_ids: the stop token's text)."""
+    base = (await ctx.completion(max_tokens=30)).choices[0].text
+    stop = base[len(base) // 2:len(base) // 2 + 4]
+    r = await ctx.completion(max_tokens=30, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == base[:base.index(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
+    await refused_400(ctx.chat(extra_body={"include_stop_str_in_output": "maybe"}), "include_stop_str_in_output")
+    return "yes"
+
+
+async def p_skip_special_tokens(ctx: Ctx, _=None) -> str:
+    """A special token (forced by logit_bias) is shown only with skip_special_tokens: false."""
+    special = ctx.engine()[1].convert_tokens_to_ids("<|im_start|>")
+    for skip, want in ((False, "<|im_start|>" * 3), (True, "")):
+        r = await ctx.chat(max_tokens=3, logit_bias={str(special): 100}, extra_body={"skip_special_tokens": skip})
+        assert r.choices[0].message.content == want, r
+    await refused_400(ctx.chat(extra_body={"skip_special_tokens": "maybe"}), "skip_special_tokens")
+    return "yes"
+
 
 # ---- the Responses API (docs/clients.md, "Responses API")
 
@@ -729,10 +894,10 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "message.annotations": message_field("annotations", [{"type": "url_citation", "url_citation": {
         "url": "https://example.com", "title": "Example", "start_index": 0, "end_index": 3}}]),
     "message.name": message_field("name", "alice", role="user"),
-    "n": param("n", 2),
-    "presence_penalty": param("presence_penalty", 0.5),
-    "frequency_penalty": param("frequency_penalty", 0.5),
-    "logit_bias": param("logit_bias", {"42": 5}),
+    "n": p_n,
+    "presence_penalty": control("presence_penalty", 1.5, 2.5),
+    "frequency_penalty": control("frequency_penalty", 1.0, -3),
+    "logit_bias": p_logit_bias,
     "logprobs": p_logprobs,
     "top_logprobs": p_logprobs,
     "tools": p_tools,
@@ -743,13 +908,19 @@ PROBES: dict[str, Callable[[Ctx, Any], Awaitable[str]]] = {
     "modalities": param("modalities", ["text", "audio"]),
     "audio": param("audio", {"voice": "alloy", "format": "wav"}),
     "web_search_options": param("web_search_options", {}),
-    "echo": param("echo", True, endpoint="completions"),
+    "echo": p_echo,
+    "echo: true": p_prompt_logprobs,
+    "logprobs: k": p_prompt_logprobs,
     "best_of": param("best_of", 2, endpoint="completions"),
     "suffix": param("suffix", " The end.", endpoint="completions"),
     "prompt": param("prompt", [PROMPT, "Far away"], endpoint="completions"),
-    "top_k": param("top_k", 5),
-    "min_p": param("min_p", 0.1),
-    "repetition_penalty": param("repetition_penalty", 1.2),
+    "top_k": narrowing("top_k", 1, -1, 1001),         # -1: vLLM's "off"
+    "min_p": narrowing("min_p", 1.0, 0.0, 1.5),
+    "repetition_penalty": control("repetition_penalty", 5.0, 0),
+    "min_tokens": p_min_tokens,
+    "stop_token_ids": p_stop_token_ids,
+    "include_stop_str_in_output": p_include_stop_str,
+    "skip_special_tokens": p_skip_special_tokens,
     "user": param("user", "user-1234"),
     "safety_identifier": param("safety_identifier", "hash-of-user"),
     "store": param("store", True),
@@ -789,11 +960,11 @@ def table_stack(redis_server, tiny_model_dir, tmp_path_factory):
         yield prefix
 
 
-async def test_every_row_of_the_compatibility_table_is_true(redis_server, table_stack):
+async def test_every_row_of_the_compatibility_table_is_true(redis_server, table_stack, tiny_model_dir):
     rows = compatibility_table(DOC.read_text())
     wrong: list[str] = []
     async with gateway_in_process(gateway_settings(redis_server.url, table_stack, resume_grace_s=10)) as gw:
-        ctx = Ctx(gw)
+        ctx = Ctx(gw, tiny_model_dir)
         await ctx.setup()
         try:
             for row in rows:

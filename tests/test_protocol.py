@@ -26,6 +26,27 @@ CLIENT_MESSAGES = [
 ]
 
 
+CHUNK_TEXTS = ["", " plain", 'quote " and \\ backslash', "tab\tnew\nline\r\x00\x1f\x7f", "héllo ✓ 𝄞 emoji 🎉",
+               "\u2028\u2029 separators", "</script>", "a" * 5000]
+
+
+@pytest.mark.parametrize("text", CHUNK_TEXTS, ids=range(len(CHUNK_TEXTS)))
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_the_chunk_fast_path_writes_the_generic_paths_bytes(text, binary):
+    chunks = [Chunk(id="r-1.a:b_c", seq=2 ** 40, text=text, tokens=7)]
+    # every optional field set on its own takes the generic path (nothing of it is dropped)
+    for name, field in Chunk.model_fields.items():
+        if name not in ("v", "type", "id", "seq", "text", "tokens"):
+            value = "the prompt" if field.annotation == str | None else []
+            chunks.append(Chunk(id="r1", seq=3, text=text, tokens=1, **{name: value}))
+    assert len(chunks) >= 4
+    for chunk in chunks:
+        data = chunk.model_dump(mode="json", exclude_none=True)
+        generic = msgpack.packb(data, use_bin_type=True) if binary else json.dumps(data, separators=(",", ":"),
+                                                                                   ensure_ascii=False)
+        assert encode_server(chunk, binary=binary) == generic
+
+
 @pytest.mark.parametrize("obj", CLIENT_MESSAGES, ids=lambda o: o["type"])
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
 def test_client_messages_round_trip(obj, binary):

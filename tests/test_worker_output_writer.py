@@ -21,12 +21,14 @@ from worker.events import InFlight, Progress
 from worker import output_writer
 from worker.output_writer import MAX_WRITE_FAILURES, OutputWriter
 from worker.redis_io import TRANSIENT
+from bench.hop import counting_client
 from tests.gateway_client import eventually
 from tests.worker_redis import check_seqs, read_events
 
 
-async def pending_request(redis, keys: Keys, rid: str, key_id: str = "k") -> InFlight:
-    await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+async def pending_request(redis, keys: Keys, rid: str, key_id: str = "k", *, group: bool = True) -> InFlight:
+    if group:
+        await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
     entry = RequestEntry(rid=rid, params=SamplingParams(), prompt="x", key_id=key_id, gw="g")
     await redis.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
     resp = await redis.xreadgroup(CONSUMER_GROUP, "w", {keys.requests: ">"}, count=1)
@@ -64,6 +66,61 @@ async def test_commit_is_idempotent_live_follows_history_and_the_final_acks(redi
     assert await redis_client.zscore(keys.conc("k"), "r1") is None
     assert await redis_client.hget(keys.meta("r1"), "owner") is None
     assert 0 < await redis_client.ttl(keys.out("r1")) <= 600
+
+
+async def test_on_one_redis_a_commit_is_one_round_trip_with_live_lease_and_ack(redis_server, stream_prefix):
+    """Where Redis enforces no slots, the history script also writes the inbox entry, releases
+    the lease and acks the final: a first token and a final each cost the writer ONE round trip
+    (they used to cost two and three), with the same outcome: history, then live, then ack."""
+    keys = Keys(stream_prefix)
+    client, sends = counting_client(redis_server.url)
+    try:
+        done: list = []
+        writer = OutputWriter(client, keys, Settings(stream_prefix=stream_prefix), "w", on_done=done.extend)
+        st = await pending_request(client, keys, "r1")
+        other = await pending_request(client, keys, "r2", key_id="k2", group=False)
+        for s in (st, other):
+            s.add_output(tok(s.rid, 1))
+        await writer.commit([st, other])            # loads the script, learns the mode
+        sends.clear()
+        st.add_output(tok("r1", 2))
+        st.add_output(StepOutput("r1", "", [], True, "length", 1, 2))
+        other.add_output(tok("r2", 2))
+        assert await writer.commit([st, other]) == [st] and done == [st]
+        assert len(sends) == 1
+        assert st.acked and not other.acked
+        inbox = [[(e["rid"], e["k"], e["seq"]) for e in decode_event_list(f[ENTRY_FIELD])]
+                 for _, f in await client.xrange(keys.inbox("g"))]
+        assert inbox == [[("r1", "tok", 1), ("r2", "tok", 1)], [("r1", "tok", 2), ("r1", "done", 2), ("r2", "tok", 2)]]
+        pending = await client.xpending_range(keys.requests, CONSUMER_GROUP, "-", "+", 10)
+        assert [p["message_id"].decode() for p in pending] == [other.entry_id]      # r1 acked, r2 not
+        assert await client.zscore(keys.conc("k"), "r1") is None
+        assert await client.zscore(keys.conc("k2"), "r2") is not None
+        assert await client.hget(keys.meta("r1"), "owner") is None
+        assert 0 < await client.ttl(keys.inbox("g")) <= 600
+    finally:
+        await client.aclose()
+
+
+async def test_a_marker_alone_rides_the_commit_unless_its_request_is_fenced(redis_client, stream_prefix):
+    """An attach marker with no events to write goes to the (new) gateway's inbox in the same
+    round trip; a request whose epoch moved on sends nothing there and is dropped."""
+    keys = Keys(stream_prefix)
+    dropped: list = []
+    writer = OutputWriter(redis_client, keys, Settings(stream_prefix=stream_prefix), "w", on_fenced=dropped.append)
+    held = InFlight.start("held", "1-0", None, Progress(seq=3), epoch=1, gw="g")
+    moved = InFlight.start("moved", "2-0", None, Progress(seq=5), epoch=1, gw="g")
+    await redis_client.hset(keys.meta("held"), "epoch", 1)
+    await redis_client.hset(keys.meta("moved"), "epoch", 2)                  # claimed away
+    await writer.attach(held, "g2", 4)
+    await writer.attach(moved, "g2", 1)
+    inbox = [e for _, f in await redis_client.xrange(keys.inbox("g2")) for e in decode_event_list(f[ENTRY_FIELD])]
+    assert [(e["k"], e["rid"], e["seq"], e["att"]) for e in inbox] == [("att", "held", 3, 4)]
+    assert dropped == [moved] and moved.fenced and not held.fenced
+    assert held.marker_att is None
+    held.add_output(tok("held", 4))             # its first write after the marker still sets the TTL
+    await writer.commit([held])
+    assert held.written_seq == 4 and 0 < await redis_client.ttl(keys.out("held")) <= 600
 
 
 async def test_refused_writes_keep_outputs_then_end_typed_once_redis_accepts_them():

@@ -221,7 +221,8 @@ class EngineThread:
             return []
         entry = command.entry
         try:
-            ids = build_prompt_ids(self.engine.tokenizer, entry.prompt, entry.messages, entry.tools)
+            ids = list(entry.prompt_ids) if entry.prompt_ids is not None else \
+                build_prompt_ids(self.engine.tokenizer, entry.prompt, entry.messages, entry.tools)
         except Exception as exc:
             return [error_output(entry.rid, ErrorCode.INVALID_REQUEST, f"could not build the prompt: {exc}")]
         if len(ids) > self.max_prompt_tokens:
@@ -230,7 +231,8 @@ class EngineThread:
         try:
             self.engine.add(EngineRequest(rid=entry.rid, prompt_ids=ids, params=entry.params,
                                           priority=entry.priority, generated_ids=list(command.generated_ids),
-                                          ignore_eos=entry.params.ignore_eos, cache_salt=entry.cache_salt))
+                                          ignore_eos=entry.params.ignore_eos, cache_salt=entry.cache_salt,
+                                          prompt_text=entry.prompt))
         except EngineRejected as exc:
             return [error_output(entry.rid, exc.code, exc.message, len(ids), param=exc.param)]
         except Exception as exc:  # a bug or odd input must fail this request only

@@ -82,6 +82,7 @@ class InFlight:
     lease_lapsed: bool = False           # that deadline passed unrenewed: its output is held (worker.leases)
     lease_refused: bool = False          # the last keep-fresh round found Redis refusing to extend it (OOM)
     ttl_set: bool = False                # this run has set the history stream's TTL
+    acked: bool = False                  # its request entry is acked (by the history script with its final)
     dead_letter: dict | None = None      # dead-letter fields, XADDed with the ack (after the final)
     worker: str = ""                     # this worker's id, named in the final event
 

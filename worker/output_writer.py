@@ -4,36 +4,38 @@ Why one module: "events, then ack, then lease, then owner" used to be written th
 (normal finish, finish-before-run, dead letter), each a little different. Here `commit()` is the
 only place that writes output, and the only place that acknowledges a request.
 
-One `commit(states)` = at most three round trips, whatever the number of requests:
-1. history: one pipeline of `HISTORY_APPEND` script calls, each carrying up to HISTORY_BATCH
-   requests (one request a call where Redis enforces slots, i.e. a cluster client or a node in
-   cluster mode: a script's keys must share a slot, {r:rid});
-   per request its frozen events in order; EXPIRE on this run's first write and at the final,
-   which also removes `owner` and its `lease` from meta (worker.ownership). Batching matters at
-   GPU speed: a commit writes every request with news, and redis-py spends ~10 µs of client
-   CPU per command in a pipeline however small it is. The script is the FENCE: per request it writes only if `meta.epoch` is
-   still the epoch this worker got when it took the request. A worker presumed dead (a long
-   pause, a partition, SIGSTOP) whose request was claimed by another worker (which bumped the
-   epoch) is refused atomically, in Redis; it then drops the request (`on_fenced`) without
-   acking it. An id already in the stream counts as written only if the entry there is
-   byte-identical (our own retry after a lost reply); anything else is a conflict, never a
-   silent success.
-2. live: per gateway ONE XADD to its inbox whose `d` is the list of all its events that round
-   trip 1 confirmed (attach markers first). Live therefore never runs ahead of history, and a
-   fenced writer's events never reach a client even before the gateway sees the newer epoch.
-   A live copy lost to a connection error is re-sent with the next commit; gateways
-   de-duplicate by seq.
-   The same pipeline first releases the concurrency lease (`p:{q}:conc:<key_id>`, ZREM) of
-   every request whose final event round trip 1 confirmed: a gateway sends `done` without
+What a commit writes, in this order (the Lua is worker.history_scripts):
+1. history: per request its frozen events in order, through the FENCED history script: per
+   request it writes only if `meta.epoch` is still the epoch this worker got when it took the
+   request. A worker presumed dead (a long pause, a partition, SIGSTOP) whose request was
+   claimed by another worker (which bumped the epoch) is refused atomically, in Redis; it then
+   drops the request (`on_fenced`) without acking it. An id already in the stream counts as
+   written only if the entry there is byte-identical (our own retry after a lost reply);
+   anything else is a conflict, never a silent success. EXPIRE on this run's first write and
+   at the final, which also removes `owner` and its `lease` from meta (worker.ownership).
+2. live: per gateway ONE inbox entry whose `d` is the list of all its events that step 1
+   confirmed (attach markers first). Live therefore never runs ahead of history, and a fenced
+   writer's events never reach a client even before the gateway sees the newer epoch.
+   Gateways de-duplicate by seq. Before it, the concurrency lease (`p:{q}:conc:<key_id>`, ZREM)
+   of every request whose final step 1 confirmed is released: a gateway sends `done` without
    waiting on Redis, and a client that receives it may start its next request at once, on any
-   gateway, so its slot must be free before the final can reach any gateway. (On a Redis
-   Cluster the lease and the inbox live on different nodes and the two commands may land in
-   either order; the ack below releases it again.)
-3. only when finals were confirmed: one MULTI on slot {q} with XACK + ZREM of the request's
-   concurrency lease for each of them (and dead-letter XADDs), so the lease is released
-   whenever the request ends, also where round trip 2 failed. It runs after round trip 1
-   because an ack must never precede the final event in history, and the two are in different
-   slots.
+   gateway, so its slot must be free before the final can reach any gateway.
+3. the ack (XACK of the request entry, ZREM of the lease, the dead-letter XADD) of every
+   request whose final is in history: never before its final.
+
+How many round trips that takes:
+* A single Redis (no slots enforced): ONE. Each `HISTORY_AND_LIVE` call does 1-3 for up to
+  HISTORY_BATCH requests, all calls in one pipeline; only a dead letter (or an ack a lost
+  connection kept back) takes a MULTI after it. One round trip is what a first token waits
+  for between the engine and the gateway (bench/fanout.py's `deliver`).
+* Where Redis enforces slots (a cluster client, or a node in cluster mode: a script's keys must
+  share a slot): one `HISTORY_APPEND` call a request ({r:rid}), all in one pipeline; then one
+  pipeline of lease releases and inbox XADDs (a live copy lost to a connection error is re-sent
+  with the next commit); then, only when finals were confirmed, one MULTI on slot {q} with the
+  acks. (On a cluster the lease and the inbox live on different nodes and may land in either
+  order; the ack releases the lease again.)
+Batching requests into calls matters at GPU speed: a commit writes every request with news, and
+redis-py spends ~10 µs of client CPU per command in a pipeline however small it is.
 
 Ownership deadline: a request is written only while this worker's lease on it surely holds
 (`InFlight.may_write`: before the deadline its last take or keep-fresh round set, counted from
@@ -44,7 +46,8 @@ takeover drops the request. So a worker never emits for a request it cannot be s
 lease Redis answered it would not extend (refusing writes) counts as a refused write (below).
 
 Failures: a transient error (connection lost) raises, nothing is dropped, the caller retries
-with backoff. A request whose write Redis refuses (e.g. OOM under `maxmemory` + `noeviction`)
+with backoff (a retried history write is idempotent, a retried live copy de-duplicated). A
+request whose write Redis refuses (e.g. OOM under `maxmemory` + `noeviction`)
 keeps its events queued and is retried with backoff; after `MAX_WRITE_FAILURES` refusals it
 is given up: the engine stops it, and a final retryable `output_write_failed` error is queued
 behind its tokens, so when Redis accepts writes again the client gets every token and a typed
@@ -54,7 +57,7 @@ attach markers at once); WORKER_FLUSH_MS=0 writes after every engine step.
 
 The writer's client has no per-reply socket timeout: redis-py arms one asyncio timer per reply
 it reads, which cost about as much client CPU as the rest of a pipelined script call, and a
-commit reads one reply per request. Instead one deadline (`ROUND_TRIP_TIMEOUT_S`) bounds each
+commit reads one reply per script call. Instead one deadline (`ROUND_TRIP_TIMEOUT_S`) bounds each
 round trip; when it passes, the connection is dropped and the round trip fails as transient,
 exactly like a socket timeout (a history write whose reply was lost is retried idempotently).
 """
@@ -74,11 +77,12 @@ from shared.config import Settings
 from shared.aio import wait_event
 from shared.errors import ErrorCode
 from shared.events import AttachMarker
-from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, INBOX_MAXLEN, Keys, pack_event_list
+from shared.streams import CONSUMER_GROUP, ENTRY_FIELD, INBOX_MAXLEN, Keys, as_str, pack_event_list
 from shared.logs import rid_of
 from worker.engine import StepOutput
 from worker.events import InFlight
 from worker.failover import DEAD_MAXLEN
+from worker.history_scripts import HISTORY_AND_LIVE, HISTORY_APPEND, fused_call, history_call
 from worker.redis_io import TRANSIENT, count_error
 
 log = logging.getLogger("worker.output")
@@ -86,55 +90,14 @@ log = logging.getLogger("worker.output")
 MAX_WRITE_FAILURES = 8           # refused writes (with backoff, ~5 s) before a request is given up
 INBOX_TTL_REFRESH_S = 30.0       # how often an inbox we write to gets its TTL renewed
 ROUND_TRIP_TIMEOUT_S = 10.0      # one commit round trip (its client has no per-reply timeout)
-
 LAPSE_RECHECK_S = 0.02           # WORKER_FLUSH_MS=0: a request held for its lease is looked at again after this
-HISTORY_BATCH = 128              # requests per history script call (bounds how long one call holds Redis)
 
-# KEYS: out1, meta1, out2, meta2, ... (one pair per request). ARGV: maxlen, ttl_s, worker_id, then
-# per request: epoch, final(0/1), set_ttl(0/1), n, id1, payload1, ... id_n, payload_n.
-# Returns one reply per request, in order: how many of its events were added, or a string that
-# refuses it: FENCED unless meta.epoch == epoch (the request moved on to another worker);
-# CONFLICT when an id already in the stream holds another payload (two writers; the same
-# payload is our own retry whose reply was lost, and counts as written); or the error Redis gave
-# (e.g. OOM), which stops that request's events at once (a later event must never land before
-# an earlier one). One request's refusal never stops the others.
-HISTORY_APPEND = """
-local maxlen, ttl, worker = ARGV[1], ARGV[2], ARGV[3]
-local function append(out, meta, a)
-  local epoch = redis.pcall('HGET', meta, 'epoch')
-  if type(epoch) == 'table' and epoch.err then return epoch.err end
-  if epoch ~= ARGV[a] then return 'FENCED meta.epoch is not ' .. ARGV[a] end
-  local final, set_ttl, n = ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
-  local added = 0
-  for i = a + 4, a + 2 + 2 * n, 2 do
-    local r = redis.pcall('XADD', out, 'MAXLEN', '~', maxlen, ARGV[i], 'd', ARGV[i + 1])
-    if type(r) == 'table' and r.err then
-      if not string.find(r.err, 'equal or smaller', 1, true) then return r.err end
-      local there = redis.pcall('XRANGE', out, ARGV[i], ARGV[i])
-      if there.err or #there == 0 or there[1][2][2] ~= ARGV[i + 1] then
-        return 'CONFLICT another event is at or above ' .. ARGV[i]
-      end
-    else
-      added = added + 1
-    end
-  end
-  if set_ttl == '1' or final == '1' then
-    redis.pcall('EXPIRE', out, ttl)
-    redis.pcall('EXPIRE', meta, ttl)
-  end
-  if final == '1' and redis.pcall('HGET', meta, 'owner') == worker then
-    redis.pcall('HDEL', meta, 'owner', 'lease')
-  end
-  return added
-end
-local replies, a = {}, 4
-for k = 1, #KEYS, 2 do
-  replies[#replies + 1] = append(KEYS[k], KEYS[k + 1], a)
-  a = a + 4 + 2 * tonumber(ARGV[a + 3])
-end
-return replies
-"""
-
+# requests per history script call on a single Redis. Each call writes one inbox entry per gateway,
+# and a gateway's blocked XREAD is answered after the first call, so a flush split over calls
+# reaches a gateway as that many reads and wake-ups (at 256 streams, one call of 256 instead of
+# two of 128 cost the gateway 0.83x the CPU per token: bench/RESULTS.md). A call holds Redis
+# ~10-13 µs a request (~3.5 ms at 256); the calls of one pipeline run back to back anyway.
+HISTORY_BATCH = 512
 
 def fenced(exc: Exception) -> bool:
     """The history script refused: the request's epoch moved on (another worker owns it)."""
@@ -167,7 +130,9 @@ class OutputWriter:
         self.on_lapsed = on_lapsed            # called with a request whose lease passed its deadline unrenewed
         self._live_backlog: dict[str, list[bytes]] = {}   # live copies a connection error kept back
         self.lock = asyncio.Lock()            # one commit at a time: events of a request stay in order
-        self._sha: str | None = None
+        self._sha: str | None = None          # the loaded history script (None: load it, and learn the mode)
+        self._fused = False                   # HISTORY_AND_LIVE (one round trip) vs HISTORY_APPEND + live + ack
+        self._slots = False                   # Redis enforces slots (learnt once, or from a CROSSSLOT refusal)
         self._per_call = HISTORY_BATCH         # requests per history script call (1 where slots are enforced)
         self._inbox_ttl_at: dict[str, float] = {}
         self.stats = {"commits": 0, "events": 0, "refused": 0, "given_up": 0, "fenced": 0, "lease_lapses": 0}
@@ -199,58 +164,77 @@ class OutputWriter:
         writing = [(st, list(st.unsent)) for st in states if st.unsent and st.retry_at <= now and st.may_write(now)]
         # attach markers are built before the history write: "everything <= S is in history"
         markers = {st.rid: st.marker() for st in states if st.gw and st.marker_att is not None and st.may_write(now)}
-        confirmed: dict[str, list] = {}
-        if writing:
-            results = await self._write_history(writing)
-            for (st, frozen), result in zip(writing, results):
-                if isinstance(result, Exception) and fenced(result):
-                    self._fence(st, result)
-                elif isinstance(result, Exception):
-                    self._refused(st, result, now)
-                else:
-                    st.confirm(frozen)
-                    confirmed[st.rid] = frozen
-                    self.stats["events"] += len(frozen)
-        live: dict[str, list[bytes]] = {}
-        for st in states:   # per gateway: markers first, then what this commit confirmed
-            if st.gw and not st.fenced and (st.rid in markers or st.rid in confirmed):
-                events = live.setdefault(st.gw, [])
-                if st.rid in markers:
-                    events.append(markers[st.rid])
-                events.extend(f.payload for f in confirmed.get(st.rid, ()))
-        ended = [st for st in states if st.final_written and st.rid in confirmed and st.key_id]
-        if live or self._live_backlog or ended:
-            await self._write_live(live, ended)
+        if self._sha is None:
+            async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S):
+                await self._load_script()
+        if self._fused:     # one round trip: history, live and acks in one script
+            if markers:     # a marker with nothing to write rides along (its request is fenced there too)
+                busy = {st.rid for st, _ in writing}
+                writing += [(st, []) for st in states if st.rid in markers and st.rid not in busy]
+            if writing or self._live_backlog:
+                self._settle(writing, await self._write_history(writing, markers), now)
+        else:
+            confirmed = self._settle(writing, await self._write_history(writing), now) if writing else {}
+            live: dict[str, list[bytes]] = {}
+            for st in states:   # per gateway: markers first, then what this commit confirmed
+                if st.gw and not st.fenced and (st.rid in markers or st.rid in confirmed):
+                    events = live.setdefault(st.gw, [])
+                    if st.rid in markers:
+                        events.append(markers[st.rid])
+                    events.extend(f.payload for f in confirmed.get(st.rid, ()))
+            ended = [st for st in states if st.final_written and st.rid in confirmed and st.key_id]
+            if live or self._live_backlog or ended:
+                await self._write_live(live, ended)
         for st in states:
             if st.rid in markers:
                 st.marker_att = None
         done = [st for st in states if st.final_written]
-        if done or dead_letters:
-            await self._ack(done, dead_letters)
-            if done:
-                self.on_done(done)
+        unacked = [st for st in done if not st.acked]
+        if unacked or dead_letters:
+            await self._ack(unacked, dead_letters)
+        if done:
+            self.on_done(done)
         self.stats["commits"] += 1
         return done
 
-    async def _write_history(self, writing: list) -> list:
-        """The fenced history script for every request in `writing`: up to HISTORY_BATCH
-        requests per call, all calls in one pipeline (one request per call where Redis enforces slots:
-        a script's keys must share a slot). Returns each request's reply: how many events were
-        added, or the exception that refused it."""
-        s = self.settings
+    def _settle(self, writing: list, results: list, now: float) -> dict[str, list]:
+        """Each request's history reply: confirm its events (and note the ack the script made),
+        or fence it, or count a refusal. Returns the confirmed events by rid."""
+        confirmed: dict[str, list] = {}
+        for (st, frozen), result in zip(writing, results):
+            if isinstance(result, Exception) and fenced(result):
+                self._fence(st, result)
+            elif not frozen:
+                continue            # only a marker rode along: nothing was to be written
+            elif isinstance(result, Exception):
+                self._refused(st, result, now)
+            else:
+                st.confirm(frozen)
+                confirmed[st.rid] = frozen
+                self.stats["events"] += len(frozen)
+                if self._fused and frozen[-1].final and not st.dead_letter:
+                    st.acked = True     # HISTORY_AND_LIVE acked it with its final
+        return confirmed
+
+    async def _load_script(self) -> None:
+        """Learn whether Redis enforces slots and load the history script that fits."""
+        self._slots = self._slots or await self._slots_enforced()
+        self._fused = not self._slots
+        self._per_call = 1 if self._slots else HISTORY_BATCH
+        self._sha = await self.redis.script_load(HISTORY_APPEND if self._slots else HISTORY_AND_LIVE)
+
+    async def _write_history(self, writing: list, markers: dict[str, bytes] | None = None) -> list:
+        """The history script for every request in `writing`: up to HISTORY_BATCH requests per
+        call (one where Redis enforces slots), all calls in one pipeline; with HISTORY_AND_LIVE
+        the calls also write the inbox entries (the first carries the live backlog) and the
+        acks. Returns each request's reply: how many events were added, or the exception that
+        refused it."""
+        calls = [writing[i:i + self._per_call] for i in range(0, len(writing), self._per_call)] or [[]]
         async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S), self.redis.pipeline(transaction=False) as pipe:
-            if self._sha is None:
-                self._sha = await self.redis.script_load(HISTORY_APPEND)
-                self._per_call = 1 if await self._slots_enforced() else HISTORY_BATCH
-            calls = [writing[i:i + self._per_call] for i in range(0, len(writing), self._per_call)]
-            for call in calls:
-                keys: list = []
-                args: list = [s.output_maxlen, s.output_ttl_s, self.worker_id]
-                for st, frozen in call:
-                    keys += (self.keys.out(st.rid), self.keys.meta(st.rid))
-                    args += (st.epoch, int(frozen[-1].final), int(not st.ttl_set), len(frozen))
-                    for f in frozen:
-                        args += (f.entry_id, f.payload)
+            for i, call in enumerate(calls):
+                keys, args = (fused_call(self.keys, self.settings, self.worker_id, call, markers or {},
+                                         self._live_backlog if i == 0 else {}, self._inbox_refresh)
+                              if self._fused else history_call(self.keys, self.settings, self.worker_id, call))
                 # a raw EVALSHA: redis-py's cluster pipeline refuses its evalsha() helper
                 pipe.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
             replies = await pipe.execute(raise_on_error=False)
@@ -261,20 +245,34 @@ class OutputWriter:
             if isinstance(r, TRANSIENT):
                 raise r
             if isinstance(r, ResponseError) and "CROSSSLOT" in str(r):   # the server enforces slots now
-                self._per_call = 1
+                self._slots, self._sha = True, None
                 raise RedisConnectionError("Redis refused a history call across slots; one request a call from now")
+        if self._fused:
+            self._live_backlog = {}     # the first call took it (or Redis refused it: a resume reads the history)
         results: list = []
         for call, reply in zip(calls, replies):
             if isinstance(reply, Exception):  # the whole call was refused (e.g. OOM before it ran)
                 results += [reply] * len(call)
                 continue
-            for (st, _frozen), r in zip(call, reply):
+            if self._fused:
+                reply, refused = reply
+                for err in refused:
+                    log.warning("inbox write refused: %s", as_str(err))
+            for (st, frozen), r in zip(call, reply):
                 if isinstance(r, bytes):
                     results.append(ResponseError(r.decode(errors="replace")))
                 else:
-                    st.ttl_set = True
+                    st.ttl_set = st.ttl_set or bool(frozen)    # (a marker alone wrote no history to expire)
                     results.append(r)
         return results
+
+    def _inbox_refresh(self, gw: str) -> bool:
+        """Whether this write to gateway `gw`'s inbox renews its TTL (every INBOX_TTL_REFRESH_S)."""
+        now = time.monotonic()
+        if now - self._inbox_ttl_at.get(gw, 0.0) > INBOX_TTL_REFRESH_S:
+            self._inbox_ttl_at[gw] = now
+            return True
+        return False
 
     async def _slots_enforced(self) -> bool:
         """Whether a script's keys must share a slot: a cluster client, or a plain client talking
@@ -290,16 +288,15 @@ class OutputWriter:
         (history already has them); a refusal (OOM) drops them: a resume reads the history."""
         for gw, payloads in live.items():
             self._live_backlog.setdefault(gw, []).extend(payloads)
-        backlog, now = self._live_backlog, time.monotonic()
+        backlog = self._live_backlog
         async with asyncio.timeout(ROUND_TRIP_TIMEOUT_S), self.redis.pipeline(transaction=False) as pipe:
             for st in ended:
                 pipe.zrem(self.keys.conc(st.key_id), st.rid)
             for gw, payloads in backlog.items():
                 inbox = self.keys.inbox(gw)
                 pipe.xadd(inbox, {ENTRY_FIELD: pack_event_list(payloads)}, maxlen=INBOX_MAXLEN, approximate=True)
-                if now - self._inbox_ttl_at.get(gw, 0.0) > INBOX_TTL_REFRESH_S:
+                if self._inbox_refresh(gw):
                     pipe.expire(inbox, self.settings.output_ttl_s)
-                    self._inbox_ttl_at[gw] = now
             results = await pipe.execute(raise_on_error=False)
         for r in results:
             if isinstance(r, TRANSIENT):

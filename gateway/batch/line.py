@@ -38,7 +38,7 @@ from gateway.openai.response import CHAT_PREFIX, TEXT_PREFIX, OpenAIResponse
 from gateway.openai.response_writer import ResponseWriter
 from gateway.openai.responses_store import PREFIX, ResponseStore
 from gateway.openai.responses_turn import prepare
-from gateway.openai.schema import parse_body
+from gateway.openai.schema import echo_only, parse_body
 from gateway.openai.session import HttpSession
 from gateway.request_core import RequestCore
 from gateway.request_state import RequestState
@@ -149,6 +149,9 @@ class LineRunner:
         chat = line.url == "/v1/chat/completions"
         body, fields = parse_body(json.dumps(line.body).encode(), chat)
         self._check(body.model, body.stream)
+        if (body.n or 1) > 1:
+            raise APIError(400, "'n' > 1 is not supported in a batch (one request a line: send a line per choice)",
+                           param="n")
 
         def message(client_id: str, **extra) -> Generate:
             try:
@@ -158,7 +161,8 @@ class LineRunner:
 
         async def writer(req: RequestState) -> OpenAIResponse:
             return OpenAIResponse(_discard, oai_id=req.client_id, model=self.model, stream=False, include_usage=False,
-                                  role_chunk=False, tools=structured.parser_for(body, req.rid))
+                                  role_chunk=False, tools=structured.parser_for(body, req.rid),
+                                  echo_only=echo_only(body))
         return _Call(message, CHAT_PREFIX if chat else TEXT_PREFIX, writer, _nothing)
 
     async def _response(self, line: BatchLine, key_id: str) -> _Call:

@@ -6,6 +6,7 @@
 * errors.py      OpenAI's error shape and the HTTP status of each gateway error code;
 * session.py     one request as a session (`HttpSession`) and the ASGI response driving it;
 * response.py    `OpenAIResponse`: the session's `Writer`, as SSE chunk events or one JSON body;
+* choices.py     `n`: one request per choice, their seeds and the answer's usage;
 * logprobs.py, structured.py, tool_calls.py   logprobs, structured output and tool calls both ways;
 * tokenize.py    vLLM's `/tokenize` and `/detokenize`, a request/reply with a live worker.
 """

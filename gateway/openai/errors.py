@@ -40,13 +40,13 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
     @classmethod
-    def from_code(cls, code: ErrorCode | str, message: str) -> "APIError":
+    def from_code(cls, code: ErrorCode | str, message: str, param: str | None = None) -> "APIError":
         try:
             code = ErrorCode(code)
         except ValueError:
             code = ErrorCode.INTERNAL
         status, kind = _STATUS.get(code, (400, "invalid_request_error"))
-        return cls(status, message, type=kind, code=code.value)
+        return cls(status, message, type=kind, code=code.value, param=param)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -75,9 +75,7 @@ def done_error(done: Done) -> APIError | None:
     raise `APIError` on a stream's `{"error": ...}` event), so the truncation is never silent."""
     if done.finish_reason == "error":
         err = done.error or {}
-        error = APIError.from_code(err.get("code", "internal"), err.get("message", ""))
-        error.param = err.get("param")
-        return error
+        return APIError.from_code(err.get("code", "internal"), err.get("message", ""), err.get("param"))
     if done.finish_reason == "cancelled":
         return APIError(410, f"the request was cancelled (its client disconnected or cancelled it) after "
                              f"{done.usage.completion_tokens} tokens; its output ends here, incomplete",

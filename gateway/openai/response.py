@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.types import Send
 
 from gateway.openai import structured
+from gateway.openai.choices import Choice, usage_of_all
 from gateway.openai.errors import APIError, done_error
 from gateway.openai.logprobs import chat_logprobs, completion_logprobs
 from gateway.writer import SHUTDOWN_REASON
@@ -41,12 +42,17 @@ class OpenAIResponse:
 
     def __init__(self, send: Send, *, oai_id: str, model: str, stream: bool, include_usage: bool,
                  role_chunk: bool, headers: list[tuple[bytes, bytes]] | None = None, tools=None,
-                 prompt_tokens: Callable[[], int] | None = None):
+                 prompt_tokens: Callable[[], int] | None = None, choices: dict[str, Choice] | None = None,
+                 echo_only: bool = False):
         self._send = send
         # continuous usage (vLLM's stream_options.continuous_usage_stats): every chunk carries the
         # usage so far; the prompt's size is what the worker's token events said
         self.prompt_tokens = prompt_tokens
         self.tools = tools                   # a gateway.openai.tool_calls parser when the request has tools
+        # `n`: each choice is a request of its own, by client id (gateway.openai.choices)
+        self.choices = choices or {oai_id: Choice(0, tools)}
+        self.many = len(self.choices) > 1    # SSE events carry no `id:` then (no one seq to resume from)
+        self.echo_only = echo_only           # completions echo + max_tokens 0: the prompt alone
         self.oai_id = oai_id
         self.chat = oai_id.startswith(CHAT_PREFIX)
         self.model = model
@@ -58,9 +64,7 @@ class OpenAIResponse:
         self.last_send = time.monotonic()
         self.ended = asyncio.Event()
         self.broken = False                  # a write failed: the client is gone
-        self.parts: list[str] = []           # stream: false
-        self.logprobs: list | None = None     # stream: false, when the chunks carry logprobs
-        self.done: Done | None = None
+        self.done: Done | None = None        # the first choice's, once every choice has ended
         self.error: Error | None = None
         # stream: true — the 200's headers and what was written before the first event, held
         self._start = {"type": "http.response.start", "status": 200, "headers": headers or []}
@@ -72,7 +76,9 @@ class OpenAIResponse:
     def encode(self, msg: BaseModel) -> str:
         """A control frame as the text it becomes here (the Sender queues it and counts its bytes)."""
         if isinstance(msg, Accepted):
-            return self._event_text(self._chunk(None, None, role=True), 0) if self.stream and self.role_chunk else ""
+            if not (self.stream and self.role_chunk):
+                return ""
+            return self._event_text(self._chunk(None, None, role=True, index=self._choice(msg.id).index), 0)
         if isinstance(msg, Error):           # e.g. the closing explanation of a drain
             self.error = msg
             return f"data: {json.dumps(APIError.from_code(msg.code, msg.message).body())}\n\n" if self.stream else ""
@@ -88,25 +94,32 @@ class OpenAIResponse:
         # so the Sender's heartbeat clock advances instead of firing again at once
         self.last_send = time.monotonic()
         if isinstance(msg, Chunk):
-            if self.stream and self.tools is not None:    # text and tool call deltas
+            c = self._choice(msg.id)
+            c.seq = msg.seq
+            text, lps = echoed(msg, self.echo_only)
+            i = c.index
+            if self.stream and c.tools is not None:    # text and tool call deltas
                 await self._event(self._usage_so_far(self._chunk(
-                    None, None, delta=structured.delta(*self.tools.feed(msg.text)), logprobs=msg.logprobs), msg.seq),
+                    None, None, delta=structured.delta(*c.tools.feed(text)), logprobs=lps, index=i)),
                     msg.seq, commit=True)
             elif self.stream:
-                await self._event(self._usage_so_far(self._chunk(msg.text, None, logprobs=msg.logprobs), msg.seq),
+                await self._event(self._usage_so_far(self._chunk(text, None, logprobs=lps, index=i)),
                                   msg.seq, commit=True)
             else:
-                self.parts.append(msg.text)
-                if msg.logprobs is not None:
-                    if self.logprobs is None:
-                        self.logprobs = []
-                    self.logprobs.extend(msg.logprobs)
+                c.parts.append(text)
+                if lps is not None:
+                    c.logprobs = (c.logprobs or []) + lps
         elif isinstance(msg, Done):
-            self.done = msg
+            c = self._choice(msg.id)
+            c.done = msg
             if self.stream and (self.committed or done_error(msg) is None):
-                await self._finish_stream(msg)
+                await self._finish_choice(c, msg)
             # else: a stream refused before its first event: RunRequest answers with the status
-            self.ended.set()
+            if all(x.done is not None for x in self.choices.values()):
+                self.done = next(iter(self.choices.values())).done
+                if self.stream and self.committed:
+                    await self._end_stream()
+                self.ended.set()
         elif isinstance(msg, Heartbeat):
             if self.stream:   # proxies see traffic; SSE clients ignore comments
                 await self._write(": keep-alive\n\n", commit=True)
@@ -126,50 +139,68 @@ class OpenAIResponse:
 
     # building events -------------------------------------------------------
 
+    def _choice(self, client_id: str) -> Choice:
+        return self.choices.get(client_id) or next(iter(self.choices.values()))
+
     def _chunk(self, text: str | None, finish: str | None, *, role: bool = False, logprobs: list | None = None,
-               delta: dict | None = None) -> dict:
+               delta: dict | None = None, index: int = 0) -> dict:
         if self.chat:
             if delta is None:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
-                      "finish_reason": finish}
+            choice = {"index": index, "delta": delta,
+                      "logprobs": chat_logprobs(logprobs) if logprobs is not None else None, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "",
+            choice = {"index": index, "text": text or "",
                       "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
                       "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
-    def _usage_so_far(self, chunk: dict, completion_tokens: int) -> dict:
+    def _usage_so_far(self, chunk: dict) -> dict:
         if self.prompt_tokens is not None:
             prompt = self.prompt_tokens()
-            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                              "total_tokens": prompt + completion_tokens}
+            completion = 0 if self.echo_only else sum(c.seq for c in self.choices.values())
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
         return chunk
 
-    async def _finish_stream(self, done: Done) -> None:
+    def usage(self) -> dict:
+        """The whole answer's usage (every choice has ended)."""
+        return usage_of_all([c.done for c in self.choices.values()], echo_only=self.echo_only)
+
+    async def _finish_choice(self, c: Choice, done: Done) -> None:
+        """One choice's end: its error event, or its last chunk with its finish_reason."""
         error = done_error(done)
         if error is not None:
+            c.error_written = True
             await self._event(error.body(), done.seq, commit=True)
-        else:
-            # what the tool-call parser held back rides in the finish chunk: all of an answer's
-            # finals share the last token's id, so a client resuming there must not miss or
-            # repeat a delta that came before the finish in an event of its own
-            rest = structured.delta(*self.tools.finish()) if self.tools is not None else None
-            last = self._chunk(None, structured.finish_reason(self.tools, done.finish_reason), delta=rest or None)
-            if self.prompt_tokens is not None:
-                last["usage"] = usage_of(done)
-            await self._event(last, done.seq, commit=True)
-            if self.include_usage:
-                usage = usage_of(done)
-                await self._event({**self._chunk(None, None), "choices": [], "usage": usage}, done.seq)
+            return
+        # what the tool-call parser held back rides in the finish chunk: all of an answer's
+        # finals share the last token's id, so a client resuming there must not miss or
+        # repeat a delta that came before the finish in an event of its own
+        rest = structured.delta(*c.tools.finish()) if c.tools is not None else None
+        last = self._chunk(None, structured.finish_reason(c.tools, done.finish_reason), delta=rest or None,
+                           index=c.index)
+        if self.prompt_tokens is not None and all(x.done is not None for x in self.choices.values()):
+            last["usage"] = self.usage()
+        await self._event(last, done.seq, commit=True)
+
+    async def _end_stream(self) -> None:
+        """Every choice has ended: a choice refused before the stream started says so now, then
+        the usage chunk and `[DONE]`."""
+        for c in self.choices.values():
+            error = done_error(c.done)
+            if error is not None and not c.error_written:
+                await self._event(error.body(), c.done.seq, commit=True)
+        if self.include_usage and all(done_error(c.done) is None for c in self.choices.values()):
+            await self._event({**self._chunk(None, None), "choices": [], "usage": self.usage()}, self.done.seq)
         await self._write("data: [DONE]\n\n")
 
     def api_error(self) -> APIError | None:
-        """The error the request ended with (None for an answer)."""
+        """The error the request ended with (None for an answer; `n`: the first choice's error)."""
         if self.done is not None:
-            return done_error(self.done)
+            return next((e for e in (done_error(c.done or self.done) for c in self.choices.values()) if e), None)
         msg = self.error
         return APIError.from_code(msg.code if msg else ErrorCode.SHUTTING_DOWN, msg.message if msg else SHUTDOWN_REASON)
 
@@ -178,24 +209,25 @@ class OpenAIResponse:
         error = self.api_error()
         if error is not None:
             return error.status, error.body()
-        text = "".join(self.parts)
-        if self.chat:
-            lp = chat_logprobs(self.logprobs) if self.logprobs is not None else None
-            choice = {"index": 0, "message": structured.message(self.tools, text), "logprobs": lp,
-                      "finish_reason": structured.finish_reason(self.tools, self.done.finish_reason)}
-            obj = "chat.completion"
-        else:
-            lp = completion_logprobs(self.logprobs) if self.logprobs is not None else None
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.done.finish_reason}
-            obj = "text_completion"
+        choices = []
+        for c in sorted(self.choices.values(), key=lambda c: c.index):
+            text = "".join(c.parts)
+            if self.chat:
+                lp = chat_logprobs(c.logprobs) if c.logprobs is not None else None
+                choices.append({"index": c.index, "message": structured.message(c.tools, text), "logprobs": lp,
+                                "finish_reason": structured.finish_reason(c.tools, c.done.finish_reason)})
+            else:
+                lp = completion_logprobs(c.logprobs) if c.logprobs is not None else None
+                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.done.finish_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
         return 200, {"id": self.oai_id, "object": obj, "created": self.created, "model": self.model,
-                     "choices": [choice], "usage": usage_of(self.done)}
+                     "choices": choices, "usage": self.usage()}
 
     # writing ----------------------------------------------------------------
 
-    @staticmethod
-    def _event_text(data: dict, seq: int) -> str:
-        return f"id: {seq}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    def _event_text(self, data: dict, seq: int) -> str:
+        line = f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return line if self.many else f"id: {seq}\n{line}"
 
     async def _event(self, data: dict, seq: int, *, commit: bool = False) -> None:
         await self._write(self._event_text(data, seq), commit=commit)
@@ -226,9 +258,14 @@ class OpenAIResponse:
         self.last_send = time.monotonic()
 
 
-def usage_of(done: Done) -> dict:
-    """OpenAI's usage, with its own field for the prompt tokens the prefix cache served."""
-    p, c = done.usage.prompt_tokens, done.usage.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens}}
+def echoed(msg: Chunk, echo_only: bool) -> tuple[str, list | None]:
+    """A chunk's text and logprobs as a completion shows them: the prompt first when it came
+    with it (`echo`, prompt logprobs); `echo_only` (max_tokens 0): the prompt alone, without
+    the one token run to get its logprobs (vLLM runs one too)."""
+    text, lps = ("", None) if echo_only else (msg.text, msg.logprobs)
+    if msg.prompt_text is not None:
+        text = msg.prompt_text + text
+    if msg.prompt_logprobs is not None:
+        lps = msg.prompt_logprobs + (lps or [])
+    return text, lps
 

@@ -34,8 +34,10 @@ from gateway.openai import structured
 from gateway.openai.errors import APIError
 from gateway.openai.front import HttpFront
 from gateway.openai.response import CHAT_PREFIX, TEXT_PREFIX
-from gateway.openai.schema import parse_body
-from gateway.openai.session import RunRequest
+from gateway.openai.choices import Choice, seed_of
+from gateway.openai.schema import echo_only, parse_body
+from gateway.openai.session import HttpSession, RunRequest, cancel_all
+from gateway.request_state import RequestState
 from shared.errors import ErrorCode, ProtocolError
 from shared.protocol import Resume, parse_client_message
 
@@ -47,35 +49,63 @@ async def _generate(request: Request, chat: bool) -> Response:
         front.check_open()
         body, fields = parse_body(await request.body(), chat)
         model = front.served(body.model)
+        n = body.n or 1
+        if n > front.settings.max_n:
+            raise APIError(400, f"'n' must be at most {front.settings.max_n} (MAX_N)", param="n",
+                           code=ErrorCode.INVALID_REQUEST.value)
+        if n > 1 and body.resumable:
+            raise APIError(400, "'resumable' takes one choice: a stream of several has no one seq to resume "
+                                "from (send one request per choice instead)", param="resumable",
+                           code=ErrorCode.INVALID_REQUEST.value)
         # the response id names the server request id, which a resume must present
         rid = secrets.token_hex(16)
         prefix = CHAT_PREFIX if chat else TEXT_PREFIX
-        idempotency_key = request.headers.get("idempotency-key")
-        if idempotency_key is not None:
-            fields["idempotency_key"] = idempotency_key
-        try:
-            msg = parse_client_message({"type": "generate", "id": prefix + rid, **fields})
-        except ProtocolError as exc:
-            param = "Idempotency-Key" if exc.param == "idempotency_key" else None
-            raise APIError(400, exc.message, code=exc.code.value, param=param) from None
         session = front.http_session()
-        try:
-            # the same Idempotency-Key started it: the same answer, under that request's id
-            req = await front.core.start_or_attach(session.requests, key_id, msg, rid=rid,
-                                                   accept=lambda r: None,      # accepted by RunRequest
-                                                   attach_as=lambda first: prefix + first)
-        except ProtocolError as exc:
-            front.metrics.rejections.labels(exc.code.value).inc()
-            raise APIError.from_code(exc.code, exc.message) from None
-        except (RedisError, OSError):
-            raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
+        reqs = await _start_choices(front, session, key_id, fields, n, rid, prefix,
+                                    request.headers.get("idempotency-key"))
     except APIError as exc:
         return exc.response()
     stream_options = body.stream_options or {}
-    return RunRequest(session, req, front.core, model=model, stream=body.stream,
+    return RunRequest(session, reqs, front.core, model=model, stream=body.stream,
                       include_usage=bool(stream_options.get("include_usage")), resumable=body.resumable,
-                      tools=structured.parser_for(body, req.rid),
-                      continuous_usage=bool(stream_options.get("continuous_usage_stats")))
+                      choices={r.client_id: Choice(i, structured.parser_for(body, r.rid)) for i, r in enumerate(reqs)},
+                      continuous_usage=bool(stream_options.get("continuous_usage_stats")), echo_only=echo_only(body))
+
+
+async def _start_choices(front: HttpFront, session: HttpSession, key_id: str, fields: dict, n: int, rid: str,
+                         prefix: str, idempotency_key: str | None) -> list[RequestState]:
+    """One request per choice (gateway.openai.choices): choice i is `<prefix><rid>:i` (the first
+    is the answer's id), seeded seed + i, idempotent under `<key>:i`. A choice that cannot start
+    cancels those that did: the answer is all its choices or an error."""
+    reqs: list[RequestState] = []
+    try:
+        for i in range(n):
+            cid = prefix + rid + (f":{i}" if i else "")
+            choice = {**fields, "seed": seed_of(fields.get("seed"), i)}
+            if idempotency_key is not None:
+                choice["idempotency_key"] = idempotency_key + (f":{i}" if i else "")
+            try:
+                msg = parse_client_message({"type": "generate", "id": cid, **choice})
+            except ProtocolError as exc:
+                param = "Idempotency-Key" if exc.param == "idempotency_key" else exc.param
+                raise APIError(400, exc.message, code=exc.code.value, param=param) from None
+            try:
+                # the same Idempotency-Key started it: the same answer, under that request's id
+                reqs.append(await front.core.start_or_attach(
+                    session.requests, key_id, msg, rid=rid if i == 0 else secrets.token_hex(16),
+                    accept=lambda r: None,      # accepted by RunRequest
+                    attach_as=lambda first, i=i: prefix + first + (f":{i}" if i else "")))
+            except ProtocolError as exc:
+                front.metrics.rejections.labels(exc.code.value).inc()
+                raise APIError.from_code(exc.code, exc.message, exc.param) from None
+            except (RedisError, OSError):
+                raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
+    except APIError:
+        if reqs:
+            await cancel_all(front.core, session, reqs)
+            session.requests.release_all()
+        raise
+    return reqs
 
 
 async def chat_completions(request: Request) -> Response:

@@ -22,8 +22,8 @@ from shared.errors import ErrorCode
 #   * accepted and ignored: it cannot change the answer (`IGNORED` below) — vLLM's stance, so
 #     that what SDKs and frameworks send by default works;
 #   * refused unless neutral: a value that would change the answer and that this server cannot
-#     honour (`n > 1`, penalties, ...) is a 400 `unsupported_parameter` naming
-#     it; the value that changes nothing (`n: 1`, `tools: []`, penalties 0, ...) is accepted.
+#     honour (`suffix`, `functions`, ...) is a 400 `unsupported_parameter` naming
+#     it; the value that changes nothing (`suffix: ""`, `functions: []`, ...) is accepted.
 # A field this list does not know is refused too (extra="forbid"): nothing unknown is ignored.
 
 # accepted and ignored: name -> why ignoring it changes no answer (quoted in docs/clients.md)
@@ -74,6 +74,14 @@ class _Body(BaseModel):
     resumable: bool = False
     ignore_eos: bool | None = None        # vLLM's: run to max_tokens (benchmarks such as guidellm send it)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: prefix-cache scope (gateway.cache_scope)
+    # vLLM's sampling extensions (SAMPLING_FIELDS; ranges checked by the protocol's `Generate`)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class ChatBody(_Body):
@@ -94,7 +102,7 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]     # text, or token ids (vLLM's; lm-eval sends them)
     response_format: dict | None = None
     logprobs: int | None = None
     echo: bool | None = None
@@ -104,12 +112,10 @@ class CompletionBody(_Body):
 
 
 # refused unless neutral: name -> the test of a value that changes nothing
-_COMMON_NEUTRAL: dict[str, Any] = {
-    "n": lambda v: v in (None, 1),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v,                              # null or {}
-}
+_COMMON_NEUTRAL: dict[str, Any] = {}       # both endpoints: none left (n, penalties and logit_bias are used)
+# passed on as they are when given (OpenAI's penalties and logit_bias, vLLM's extensions)
+SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
+                   "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 _CHAT_NEUTRAL: dict[str, Any] = {
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
@@ -118,8 +124,6 @@ _CHAT_NEUTRAL: dict[str, Any] = {
     "web_search_options": lambda v: v is None,
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
-    "echo": lambda v: v in (None, False),
-    "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,                                  # null or ""
 }
 # include_obfuscation is ignored (no obfuscation padding here); continuous_usage_stats is vLLM's:
@@ -130,8 +134,7 @@ STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stat
 def _check_neutral(body: _Body, neutral: dict[str, Any]) -> None:
     for name, is_neutral in neutral.items():
         if not is_neutral(getattr(body, name)):
-            why = "> 1 is not supported by this server" if name == "n" else "is not supported by this server"
-            raise _unsupported(name, why)
+            raise _unsupported(name, "is not supported by this server")
 
 
 def _check_common(body: _Body) -> None:
@@ -225,26 +228,53 @@ def parse_body(raw: bytes, chat: bool) -> tuple[_Body, dict]:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     else:
         _check_neutral(body, _COMPLETION_NEUTRAL)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise _unsupported("prompt", "must be one string (batched prompts are not supported)")
-            prompt = prompt[0]
-        fields["prompt"] = prompt
+        fields.update(_completion_prompt(body))
         max_tokens = body.max_tokens
     fields.update(_logprob_fields(body))
+    if body.n is not None and body.n < 1:
+        raise APIError(400, "'n' must be at least 1", param="n", code=_INVALID)
+    if max_tokens == 0 and echo_only(body):
+        max_tokens = 1          # vLLM's way: one token runs for the prompt's logprobs, and is not shown
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     for name, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
                         ("seed", body.seed), ("stop", stop), ("priority", body.priority),
                         ("prompt_cache_key", body.prompt_cache_key),   # routes it to the worker holding its cache
                         ("ignore_eos", body.ignore_eos or None),
-                        ("cache_salt", body.cache_salt)):
+                        ("cache_salt", body.cache_salt),
+                        *((name, getattr(body, name)) for name in SAMPLING_FIELDS)):
         if value is not None:
             fields[name] = value
     return body, fields
 
 
 _INVALID = ErrorCode.INVALID_REQUEST.value
+
+
+def _completion_prompt(body: "CompletionBody") -> dict:
+    """One prompt, as text or as token ids (a list of ids, or a list holding one string or one
+    list of ids); `echo` (the prompt before the answer) and, with `logprobs`, its tokens'
+    logprobs; `best_of` only as the `n` it equals (no choices are generated to be dropped)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and not (prompt and all(type(t) is int for t in prompt)):
+        if len(prompt) != 1:
+            raise _unsupported("prompt", "must be one prompt (batched prompts are not supported; send one "
+                                         "request each, or use `n` for several answers to one prompt)")
+        prompt = prompt[0]
+    fields: dict[str, Any] = {"prompt_ids" if isinstance(prompt, list) else "prompt": prompt}
+    if body.echo:
+        fields["echo"] = True
+        if body.logprobs is not None:
+            fields["prompt_logprobs"] = body.logprobs
+    if body.best_of not in (None, 1, body.n or 1):
+        raise _unsupported("best_of", "must equal 'n' here: this server returns every choice it generates "
+                                      "(best_of > n is not supported, as in vLLM's V1 engine)")
+    return fields
+
+
+def echo_only(body: _Body) -> bool:
+    """Completions `echo` with `max_tokens: 0`: the prompt (and its logprobs) alone, as
+    lm-evaluation-harness's loglikelihood requests ask."""
+    return isinstance(body, CompletionBody) and bool(body.echo) and body.max_tokens == 0
 
 
 def _logprob_fields(body: _Body) -> dict:

@@ -5,7 +5,9 @@ read_offset): decoding a few tokens of context before the new ones keeps spacing
 tokenizers that merge across tokens, and text ending in U+FFFD (an incomplete UTF-8 sequence
 spread over several byte tokens) is held back until the next token completes it. Stop strings
 are matched on the decoded text; a tail that could still become a stop string is held back too,
-so a stop string is never partly emitted.
+so a stop string is never partly emitted. vLLM's controls: `skip_special_tokens` (False: their
+text is shown), `include_stop` (the stop string stays in the text) and `min_tokens` (no stop
+string is looked for in the text of the first that many tokens; one may end in the next).
 
 Where the tokenizers library has it, each token is decoded by its Rust `DecodeStream`, which
 runs the same window (same offsets, same hold-back rule) in one call per token instead of two
@@ -26,8 +28,13 @@ CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], *, skip_special_tokens: bool = True,
+                 include_stop: bool = False, min_tokens: int = 0):
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens
+        self._added = 0
         # A fast tokenizer's Rust backend decodes exactly what transformers' `decode` returns
         # with `clean_up_tokenization_spaces=False`, without ~8 us of Python around each call
         # (two calls per token per request: at a few hundred rows per step that was most of
@@ -41,7 +48,7 @@ class IncrementalDetokenizer:
         self._stream = None
         if self._backend_decode is not None and DecodeStream is not None:
             try:  # primed with the same context window as ours (needs tokenizers >= 0.22)
-                self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=True)
+                self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
             except TypeError:  # no `ids` priming in this version: our window does it all
                 pass
         self._stop = [s for s in stop if s]
@@ -55,14 +62,15 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
-            return self._backend_decode(ids, skip_special_tokens=True)
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            return self._backend_decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; returns the newly releasable text (maybe "")."""
         if self.stopped:
             return ""
         self._ids.append(token_id)
+        self._added += 1
         new = None
         if self._stream is not None:
             try:
@@ -86,7 +94,7 @@ class IncrementalDetokenizer:
             start = len(self.text)
             self.text += new
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            if self._stop:
+            if self._stop and self._added > self._min_tokens:
                 self._find_stop(max(0, start - self._max_stop + 1))
         return self._release(final=False)
 
@@ -100,9 +108,10 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _find_stop(self, search_from: int) -> None:
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self._stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            start, end = min(hits)
+            self.text = self.text[: end if self._include_stop else start]
             self.stopped = True
 
     def _release(self, final: bool) -> str:

@@ -34,6 +34,7 @@ import torch
 
 from shared.errors import ErrorCode
 from shared.protocol import MAX_TOP_LOGPROBS
+from shared.sampling import invalid_control
 from worker.engine import attention
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
@@ -42,7 +43,7 @@ from worker.engine.grammar import Compile, GrammarRefused, Grammars
 from worker.engine.grammar_compile import Waiting
 from worker.engine.kv_cache import PagedKVCache, kv_blocks, model_kv_shape
 from worker.engine.kv_cache_manager import KVCacheManager
-from worker.engine.logprobs import TokenText, entry as logprob_entry
+from worker.engine.logprobs import TokenText, entry as logprob_entry, prompt_echo
 from worker.engine.model_support import check_supported
 from worker.engine.quantize import Int4Linear
 from worker.engine.runner import ModelRunner
@@ -216,8 +217,14 @@ class Engine:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "token id outside the vocabulary")
         if p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or req.skip_tokens < 0:
             raise EngineRejected(ErrorCode.INVALID_REQUEST, "invalid sampling parameters")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
-            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
+        if (bad := invalid_control(p)) is not None:
+            raise EngineRejected(ErrorCode.INVALID_REQUEST, f"{bad[0]} {bad[1]}", param=bad[0])
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias or ())):
+            if any(i >= self._logits_width for i in ids):
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"{name}: token id outside the vocabulary", param=name)
+        for k in (p.logprobs, p.prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise EngineRejected(ErrorCode.INVALID_REQUEST, f"logprobs must be 0 to {MAX_TOP_LOGPROBS}")
         if req.priority not in ("interactive", "batch"):
             raise EngineRejected(ErrorCode.INVALID_REQUEST, f"unknown priority {req.priority!r}")
         need = len(req.prompt_ids) + p.max_tokens
@@ -241,14 +248,19 @@ class Engine:
         if p.temperature > 0 and p.seed is not None:
             generator = make_generator(p.seed, self.config.device)
             skip(generator, len(req.generated_ids), self._logits_width, self.device)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop, skip_special_tokens=p.skip_special_tokens,
+                                       include_stop=p.include_stop_str_in_output, min_tokens=p.min_tokens)
         salt = req.cache_salt.encode()
         seq = Sequence(req=req, detok=detok, generator=generator, arrival=self._arrivals, tokens=context,
                        cache_root=self._cache_root, cache_salt=salt, grammar=matcher,
                        salt_at=self._shared.salted_from(req.prompt_ids, self.config.kv_block_size) if salt else 0)
         self._arrivals += 1
-        if seq.top_logprobs >= 0:
-            seq.text_offset = self._token_text.length(req.generated_ids)
+        if not req.generated_ids and not req.skip_tokens:   # nothing delivered yet: the prompt goes first
+            seq.echo = p.echo
+            seq.prompt_lp_k = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        if seq.top_logprobs >= 0:   # with echo, offsets count from the echoed prompt's start (vLLM's)
+            seq.text_offset = self._token_text.length(req.generated_ids) + \
+                (self._token_text.length(req.prompt_ids) if p.echo else 0)
         for token in req.generated_ids:  # prime: what was released then counts as emitted now
             detok.add(token)
         self._by_rid[req.rid] = seq
@@ -343,6 +355,8 @@ class Engine:
         outputs = []
         now_ms = int(time.time() * 1000)   # one clock read per step, not per row
         logprobs = self.runner.last_logprobs
+        for seq, rows in self.runner.last_prompt_rows or ():
+            seq.prompt_rows.extend(rows)
         for i, (seq, token) in enumerate(zip(plan.sampled, tokens)):
             if seq.finished:
                 continue
@@ -350,6 +364,8 @@ class Engine:
                 out = self._on_token(seq, token, now_ms)
                 if logprobs is not None and logprobs[i] is not None:
                     self._add_logprobs(seq, token, logprobs[i], out)
+                if (seq.echo or seq.prompt_lp_k >= 0) and out is not None and out.token_ids:
+                    out.prompt = prompt_echo(seq, self._token_text, self.tokenizer)
             except Exception as exc:  # e.g. the tokenizer raised: fail this request only
                 log.exception("handling a token of %s failed", seq.req.rid)
                 self._fail([seq], f"engine failed on a token: {exc}")
@@ -359,8 +375,8 @@ class Engine:
         return outputs
 
     def _ends(self, seq: Sequence, token: int) -> bool:
-        """Whether `token` is an end-of-sequence token for this request."""
-        return token in self.runner.eos_ids and not seq.ignore_eos
+        """Whether `token` is an end-of-sequence token for this request (or one of its stop_token_ids)."""
+        return (token in self.runner.eos_ids and not seq.ignore_eos) or token in seq.stop_ids
 
     def _finish_reason(self, seq: Sequence, eos: bool) -> FinishReason | None:
         """Why the request ends after its latest token (`eos`: that token ends sequences), if it does."""
@@ -376,7 +392,10 @@ class Engine:
         eos = self._ends(seq, token)
         if seq.grammar is not None and not eos and not seq.grammar.accept(token):
             raise RuntimeError(f"sampled token {token} breaks the request's grammar")
-        text = seq.detok.finish() if eos else seq.detok.add(token)
+        if eos:   # the ending token's own text only where asked (vLLM's include_stop_str_in_output)
+            text = (seq.detok.add(token) if seq.include_stop else "") + seq.detok.finish()
+        else:
+            text = seq.detok.add(token)
         reason = self._finish_reason(seq, eos)
         if reason is not None:
             if reason == "length" or (not eos and seq.grammar is not None and seq.grammar.done):

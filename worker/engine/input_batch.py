@@ -5,17 +5,20 @@ that preempts it or the moment it ends, and everything the runner reads per row 
 here, keyed by row, so a step gathers it by the sampled rows' indices (numpy on the host,
 `index_select` on the device) instead of walking requests:
 
-* sampling parameters (`sampling.SamplingTable`: temperature, top-k, top-p, EOS mask, seed and
-  generator), written once, when the row is taken;
+* sampling parameters (`sampling.SamplingTable`: temperature, top-k, top-p, min-p, EOS mask,
+  seed and generator), written once, when the row is taken;
+* penalties with the counts of the tokens produced so far (`penalties.Penalties`), logit bias and
+  the min_tokens countdown (`logit_bias.LogitBias`), built from the request's context when the
+  row is taken and advanced with each step's sampled ids;
 * the structured-output matcher of a constrained request (grammar.py; the request keeps it
   across preemption, the row only points at it);
 * how many top logprobs the request wants (-1: none);
 * for the paged kernel, the row of the block tables and how many of the request's blocks it
   holds already (blocks are only ever appended while running, so a step writes the new ones).
 
-The counts of rows that ask for something (`num_constrained`, `num_logprobs`) change only as
-rows are taken and given back, so a step in which no row asks skips that work with one integer
-test. Rows follow the scheduler's plan at the start of each step (`update`: `admitted` take one,
+The counts of rows that ask for something (`num_constrained`, `num_logprobs`, and the
+penalties' and bias's own) change only as rows are taken and given back (and min_tokens' as rows
+reach it), so a step in which no row asks skips that work with one integer test. Rows follow the scheduler's plan at the start of each step (`update`: `admitted` take one,
 `preempted` give theirs back) and the engine gives back the row of a request that ends
 (`remove`); the scheduler never hands rows out.
 """
@@ -27,6 +30,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from worker.engine.logit_bias import LogitBias
+from worker.engine.penalties import Penalties
 from worker.engine.sampling import SamplingTable
 
 if TYPE_CHECKING:
@@ -35,10 +40,15 @@ if TYPE_CHECKING:
 
 
 class InputBatch:
-    def __init__(self, rows: int, device: torch.device, *, table_width: int = 0, scratch_block: int = 0):
+    def __init__(self, rows: int, device: torch.device, *, table_width: int = 0, scratch_block: int = 0,
+                 context: int = 0, end_ids=set):
         """`rows` requests at most; `table_width` > 0: block tables of that many blocks a row
-        (the paged kernel's), plus one padding row (`pad_row`) that holds `scratch_block`."""
+        (the paged kernel's), plus one padding row (`pad_row`) that holds `scratch_block`;
+        `context`: the most tokens of one request's context; `end_ids()`: the model's EOS ids
+        (what min_tokens holds off)."""
         self.sampling = SamplingTable(rows, device)
+        self.penalties = Penalties(rows, context, device)
+        self.bias = LogitBias(rows, device, end_ids)
         self._matchers: list = [None] * rows
         self._constrained = np.zeros(rows, dtype=bool)
         self.top_logprobs = np.full(rows, -1, dtype=np.int64)
@@ -72,7 +82,9 @@ class InputBatch:
         slot = self._free.pop()
         seq.slot = slot
         p = seq.req.params
-        self.sampling.write(slot, p.temperature, p.top_k, p.top_p, seq.ignore_eos, seq.generator)
+        self.sampling.write(slot, p.temperature, p.top_k, p.top_p, seq.ignore_eos, seq.generator, p.min_p)
+        self.penalties.add(slot, p, seq.tokens, seq.prompt_len)
+        self.bias.add(slot, p, len(seq.tokens) - seq.prompt_len)
         self._staged[slot] = 0
         if seq.grammar is not None:
             self._matchers[slot] = seq.grammar
@@ -89,6 +101,8 @@ class InputBatch:
             return
         seq.slot = -1
         self.sampling.clear(slot)
+        self.penalties.remove(slot)
+        self.bias.remove(slot)
         if self._constrained[slot]:
             self._matchers[slot] = None
             self._constrained[slot] = False

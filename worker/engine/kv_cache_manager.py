@@ -9,6 +9,10 @@ its block table `blocks`, the names of its context's full blocks `block_names` (
 each, as they are looked up or fill), how many of `blocks` are named in the pool `published`,
 and `cached_tokens`, the context tokens its first pass took from the cache.
 
+A request that asks for prompt logprobs (completions `echo` + `logprobs`) takes no cached
+blocks while they are not all computed: the logits of every prompt position are needed (vLLM's
+rule); the blocks it fills are published for others as usual.
+
 Prefix caching (when the pool caches): a request whose computed prefix ends at a block boundary
 takes the cached blocks that continue it, on admission and again whenever its prompt is next
 scheduled (a request that waited for the prefill budget then finds what an identical one computed
@@ -60,7 +64,7 @@ class KVCacheManager:
     def computed_blocks(self, seq: Sequence) -> list[int]:
         """The cached blocks continuing `seq`'s blocks (all computed, ending at a block boundary),
         up to but never including the block of its last context token; [] without caching."""
-        if not self.caching:
+        if not self.caching or seq.wants_prompt_rows:    # prompt logprobs: every position computed
             return []
         bs = self.block_size
         limit = (len(seq.tokens) - 1) // bs
@@ -94,7 +98,7 @@ class KVCacheManager:
         prefix become its own. False when the block it would take next is being filled in this
         very step by another request: it should wait a step and take it then."""
         bs = self.block_size
-        if not self.caching or seq.computed != len(seq.blocks) * bs:
+        if not self.caching or seq.computed != len(seq.blocks) * bs or seq.wants_prompt_rows:
             return True
         self._take(seq, self.computed_blocks(seq))
         nxt = len(seq.blocks)

@@ -86,6 +86,42 @@ class LogprobGather:
         return ids_out, per_row
 
 
+def prompt_echo(seq, words: "TokenText", tokenizer) -> list:
+    """What a request's first emitted token carries for echo / prompt logprobs (StepOutput.prompt):
+    the prompt as text, and per prompt token [token, logprob, top, text_offset] (the first
+    token's logprob None: nothing precedes it), offsets counted over the prompt's tokens. Both
+    are sent once: the request asks for nothing more afterwards."""
+    text = entries = None
+    ids = seq.req.prompt_ids
+    if seq.echo:
+        text = seq.req.prompt_text if seq.req.prompt_text is not None else \
+            tokenizer.decode(ids, skip_special_tokens=False)
+    if seq.prompt_lp_k >= 0:
+        entries, offset = [[words(ids[0]), None, [], 0]], len(words(ids[0]))
+        for token, row in zip(ids[1:], seq.prompt_rows):
+            entries.append(entry(words, token, row, offset))
+            offset += len(words(token))
+    seq.echo, seq.prompt_lp_k, seq.prompt_rows = False, -1, []
+    return [text, entries]
+
+
+def prompt_rows(logits: torch.Tensor, targets: list[int], k: int) -> list[tuple[float, list[int], list[float]]]:
+    """Prompt logprobs (vLLM's `prompt_logprobs`): per row of `logits` (the prompt positions a
+    prefill chunk computed for the requests that ask), the raw logprob of the next prompt token
+    `targets[i]` and the `k` most likely tokens, as `LogprobGather.finish` gives them, from one
+    host transfer. The chunk's other positions get no logits at all."""
+    lse = logits.float().logsumexp(dim=-1)
+    chosen = logits.gather(1, long_tensor(targets, logits.device)[:, None])[:, 0].float() - lse
+    parts = [chosen]
+    if k:
+        vals, ids = logits.topk(k, dim=-1)
+        parts += [(vals.float() - lse[:, None]).flatten(), ids.float().flatten()]
+    flat = torch.cat(parts).tolist()
+    r = len(targets)
+    return [(flat[i], [int(t) for t in flat[r + r * k + i * k : r + r * k + (i + 1) * k]],
+             flat[r + i * k : r + (i + 1) * k]) for i in range(r)]
+
+
 class TokenText:
     """Token id -> its string alone (memoised: the vocabulary bounds it)."""
 

@@ -31,7 +31,7 @@ from worker.engine.grammar import Grammars
 from worker.engine.host_lists import long_tensor
 from worker.engine.input_batch import InputBatch
 from worker.engine.kv_cache import PagedKVCache, blocks_for
-from worker.engine.logprobs import LogprobGather
+from worker.engine.logprobs import LogprobGather, prompt_rows
 from worker.engine.sampling import MASK_EOS, sample
 from worker.engine.scheduler import StepPlan
 from worker.engine.sequence import Sequence
@@ -60,13 +60,15 @@ class ModelRunner:
         self._dev = self._host if device.type == "cpu" else torch.zeros(6, max_tokens, dtype=torch.long, device=device)
         self.logprobs = LogprobGather()
         self.last_logprobs: list | None = None   # per sampled row of the last step: its logprobs or None
+        self.last_prompt_rows: list | None = None   # [(request, its prompt logprob rows)] of the last step
         self._eos: tuple[frozenset, torch.Tensor] | None = None   # eos_ids as a device tensor
         # One row per running request (the paged kernel's block tables have one more, holding
         # the scratch block, for the padding rows of a graph step).
         self.paged_kernel = paged_attention.available(device)
         self.batch = InputBatch(max_batch, device,
                                 table_width=blocks_for(max_positions, cache.block_size) if self.paged_kernel else 0,
-                                scratch_block=cache.scratch_block)
+                                scratch_block=cache.scratch_block, context=max_positions,
+                                end_ids=lambda: self.eos_ids)
         # set when a non-blocking upload is in flight: the host must not rewrite the pinned
         # staging until the copy has read it (a step that samples nothing never syncs otherwise)
         self._upload_done: torch.cuda.Event | None = None
@@ -88,6 +90,7 @@ class ModelRunner:
         batch = self.batch
         batch.update(plan)   # first: nothing below may leave an admitted request without its row
         self.last_logprobs = None
+        self.last_prompt_rows = None
         if plan.empty:
             return []
         if self._upload_done is not None:
@@ -107,8 +110,15 @@ class ModelRunner:
         self._host_np[SLOTS, :ns] = [seq.slot for seq in sampled]
         if kernel:   # decode rows are the first sampled rows: their table rows are their slots
             self._host_np[TABLE_ROWS, :nd] = self._host_np[SLOTS, :nd]
+        asks: list[tuple[Sequence, int, int]] = []   # prompt logprobs: (request, first position, positions)
+        extra: list[int] = []                         # their rows in the packed step
         for seq, n in plan.prefill:
             start, blocks = seq.computed, seq.blocks
+            if seq.wants_prompt_rows:   # every prompt position but the last: its next token's logprob
+                lo, hi = max(start, len(seq.prompt_rows)), min(start + n, seq.prompt_len - 1)
+                if hi > lo:
+                    asks.append((seq, lo, hi - lo))
+                    extra.extend(range(len(ids) + lo - start, len(ids) + hi - start))
             if kernel:   # the chunk's tokens read their request's table row
                 self._host_np[TABLE_ROWS, len(ids) : len(ids) + n] = seq.slot
             else:
@@ -142,8 +152,12 @@ class ModelRunner:
                     self._decode_layout(meta, plan)
                 self.cache.reserve_gather(max([s.blocks.numel() for s in meta.segments]
                                               + [c.blocks.numel() for c in chunks], default=0))
-                keep_t = None if len(keep) == total else long_tensor(keep or [total - 1], self.device)
+                keep_t = None if len(keep) == total and not extra else \
+                    long_tensor(keep + extra or [total - 1], self.device)
                 logits = self.decoder(ids_t, pos_t, keep_t, meta)
+                if extra:
+                    self.last_prompt_rows = self._prompt_rows(logits[len(keep):], asks)
+                    logits = logits[:len(keep)]
             if not ns:
                 return []
             slots = self._host_np[SLOTS, :ns]
@@ -151,6 +165,13 @@ class ModelRunner:
             asked = None   # raw logits: before the EOS mask
             if batch.num_logprobs:
                 asked = self.logprobs.prepare(logits, batch.top_logprobs[slots])
+            if batch.penalties.num_active or batch.bias.num_biased or batch.bias.num_min:
+                # bias, min_tokens, penalties (vLLM's order) on float32 logits; a copy while
+                # logprobs still read the raw ones
+                logits = logits.to(torch.float32, copy=asked is not None).contiguous()
+                batch.bias.apply(logits, slots)
+                if batch.penalties.num_active:
+                    batch.penalties.apply(logits, slots)
             if self.eos_ids and params.host[:, MASK_EOS].any():   # ignore_eos rows never sample EOS
                 eos = self._eos_tensor()
                 logits[:, eos] = logits[:, eos].masked_fill(params.dev[:, MASK_EOS, None] > 0, float("-inf"))
@@ -159,10 +180,25 @@ class ModelRunner:
                 if len(rows):
                     self.grammars.apply_masks(logits, rows, matchers)
             tokens = sample(logits, params, self.shared_generator)
+            if batch.penalties.num_active:   # the sampled ids join their rows' counts
+                batch.penalties.record(slots, tokens)
+            batch.bias.advance(slots)
             if asked is not None:
                 ids, self.last_logprobs = self.logprobs.finish(asked, tokens)
                 return ids
         return tokens.tolist()
+
+    @staticmethod
+    def _prompt_rows(logits: torch.Tensor, asks: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, list]]:
+        """Prompt logprobs of this step's chunks, per asking request its rows in position order."""
+        targets = [t for seq, lo, n in asks for t in seq.tokens[lo + 1 : lo + 1 + n]]
+        rows = prompt_rows(logits, targets, max(seq.prompt_lp_k for seq, _, _ in asks))
+        out, i = [], 0
+        for seq, _, n in asks:
+            k = seq.prompt_lp_k
+            out.append((seq, [(lp, ids[:k], lps[:k]) for lp, ids, lps in rows[i : i + n]]))
+            i += n
+        return out
 
     def _eos_tensor(self) -> torch.Tensor:
         ids = frozenset(self.eos_ids)

@@ -1,7 +1,8 @@
-"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched sampling on the logits' device: greedy, temperature, min-p, top-k, top-p, per-request
+seeds.
 
-Parameters live per row, not per step. A request's temperature, top-k, top-p, EOS masking and
-generator are written once into a `SamplingTable` row when it takes its row of the runner's
+Parameters live per row, not per step. A request's temperature, top-k, top-p, min-p, EOS masking
+and generator are written once into a `SamplingTable` row when it takes its row of the runner's
 batch (input_batch.py; the device copy is uploaded only when a row changed). A step gathers its
 rows by index: one `index_select` on the device, one numpy gather on the host for the decisions
 (which rows are greedy, seeded, truncated). So no step builds per-row Python lists or uploads
@@ -41,7 +42,7 @@ import torch
 from worker.engine.host_lists import long_tensor
 
 WIDTHS = (64, 1024)   # candidate tokens top-k / top-p look at, in turn, before sorting the vocabulary
-TEMPERATURE, TOP_K, TOP_P, MASK_EOS, SEEDED = range(5)   # columns of a SamplingTable row
+TEMPERATURE, TOP_K, TOP_P, MASK_EOS, SEEDED, MIN_P = range(6)   # columns of a SamplingTable row
 
 
 def make_generator(seed: int | None, device: str) -> torch.Generator:
@@ -59,7 +60,7 @@ def skip(generator: torch.Generator, tokens: int, vocab: int, device) -> None:
 
 @dataclass
 class RowParams:
-    """A step's sampled rows' parameters: `host` [R, 5] (numpy, for decisions), `dev` [R, 5]
+    """A step's sampled rows' parameters: `host` [R, 6] (numpy, for decisions), `dev` [R, 6]
     (the same on the logits' device, for the math), and each seeded row's generator by row."""
     host: np.ndarray
     dev: torch.Tensor
@@ -68,18 +69,18 @@ class RowParams:
 
 class SamplingTable:
     """Sampling parameters per row (columns TEMPERATURE, TOP_K (0: none), TOP_P, MASK_EOS,
-    SEEDED) and each seeded row's generator, kept on the device."""
+    SEEDED, MIN_P) and each seeded row's generator, kept on the device."""
 
     def __init__(self, slots: int, device: torch.device):
-        self._host = torch.zeros(slots, 5, dtype=torch.float32)
+        self._host = torch.zeros(slots, 6, dtype=torch.float32)
         self.host = self._host.numpy()
         self.dev = self._host if device.type == "cpu" else self._host.to(device)
         self.generators: list[torch.Generator | None] = [None] * slots
         self._dirty = False
 
     def write(self, slot: int, temperature: float, top_k: int, top_p: float, mask_eos: bool,
-              generator: torch.Generator | None) -> None:
-        self.host[slot] = (temperature, top_k, top_p, mask_eos, generator is not None)
+              generator: torch.Generator | None, min_p: float = 0.0) -> None:
+        self.host[slot] = (temperature, top_k, top_p, mask_eos, generator is not None, min_p)
         self.generators[slot] = generator
         self._dirty = True
 
@@ -88,12 +89,12 @@ class SamplingTable:
         self.generators[slot] = None
 
     @classmethod
-    def of(cls, temperature, top_k, top_p, generators, device) -> "SamplingTable":
+    def of(cls, temperature, top_k, top_p, generators, device, min_p=None) -> "SamplingTable":
         """A table whose row r holds row r of the lists (ignore_eos off), uploaded: for callers
         without requests in rows (tests, benchmarks)."""
         table = cls(len(temperature), torch.device(device))
         for r in range(len(temperature)):
-            table.write(r, temperature[r], top_k[r], top_p[r], False, generators[r])
+            table.write(r, temperature[r], top_k[r], top_p[r], False, generators[r], min_p[r] if min_p else 0.0)
         table.upload()
         return table
 
@@ -112,10 +113,11 @@ class SamplingTable:
                          {int(r): self.generators[slots[r]] for r in seeded})
 
 
-def row_params(temperature, top_k, top_p, generators, device) -> RowParams:
+def row_params(temperature, top_k, top_p, generators, device, min_p=None) -> RowParams:
     """RowParams from per-row lists, for callers without slots (tests, benchmarks)."""
     slots = np.arange(len(temperature))
-    return SamplingTable.of(temperature, top_k, top_p, generators, device).rows(slots, torch.from_numpy(slots).to(device))
+    table = SamplingTable.of(temperature, top_k, top_p, generators, device, min_p)
+    return table.rows(slots, torch.from_numpy(slots).to(device))
 
 
 def sample(logits: torch.Tensor, rows: RowParams, shared: torch.Generator | None = None) -> torch.Tensor:
@@ -132,20 +134,28 @@ def sample(logits: torch.Tensor, rows: RowParams, shared: torch.Generator | None
     choice = None if sampled.all() else logits.max(dim=-1).indices
     for mask, draw in groups:
         if mask.all():   # one group holds every row: no copies
-            return draw(_probs(logits, rows.dev), host, rows.dev, rows.generators, shared)
+            return draw(_probs(logits, host, rows.dev), host, rows.dev, rows.generators, shared)
         picked = np.flatnonzero(mask)
         idx = long_tensor(picked, logits.device)
         dev = rows.dev.index_select(0, idx)
         gens = {i: rows.generators[int(r)] for i, r in enumerate(picked)} if draw is _by_race else {}
-        part = draw(_probs(logits.index_select(0, idx), dev), host[picked], dev, gens, shared)
+        part = draw(_probs(logits.index_select(0, idx), host[picked], dev), host[picked], dev, gens, shared)
         if choice is None:
             choice = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         choice.index_copy_(0, idx, part)
     return choice
 
 
-def _probs(logits: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:
-    return (logits.float() / dev[:, TEMPERATURE, None]).softmax(dim=-1)
+def _probs(logits: torch.Tensor, host: np.ndarray, dev: torch.Tensor) -> torch.Tensor:
+    """Softmax at each row's temperature; min-p (vLLM's, after temperature) drops the tokens less
+    likely than min_p times the row's most likely one and renormalizes (rows without: untouched,
+    to the last bit)."""
+    probs = (logits.float() / dev[:, TEMPERATURE, None]).softmax(dim=-1)
+    if not host[:, MIN_P].any():
+        return probs
+    min_p = dev[:, MIN_P, None]
+    kept = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, 0.0)
+    return torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
 
 
 def _is_cut(host: np.ndarray, vocab: int) -> np.ndarray:

@@ -58,7 +58,15 @@ class Sequence:
     skip_tokens: int = field(init=False)
     ignore_eos: bool = field(init=False)
     top_logprobs: int = field(init=False)      # logprobs: alternatives per token; -1: no logprobs
+    stop_ids: frozenset = field(init=False)    # stop_token_ids: more ids that end it (as EOS does)
+    include_stop: bool = field(init=False)     # an ending token's text is kept (include_stop_str_in_output)
     text_offset: int = 0                       # logprobs: the output's length in token strings so far
+    # echo / prompt logprobs (logprobs.prompt_echo): sent with the first emitted token; the
+    # alternatives wanted per prompt token (-1: none) and the rows computed so far, one per
+    # prompt position but the last (the runner adds them as prefill chunks run)
+    echo: bool = False
+    prompt_lp_k: int = -1
+    prompt_rows: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         req, params = self.req, self.req.params
@@ -70,11 +78,18 @@ class Sequence:
         self.skip_tokens = req.skip_tokens
         self.ignore_eos = req.ignore_eos
         self.top_logprobs = -1 if params.logprobs is None else params.logprobs
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.include_stop = params.include_stop_str_in_output
 
     @property
     def completion_tokens(self) -> int:
         """Output tokens so far, including those an earlier run delivered (continuation)."""
         return self.completion_base + self.new_tokens
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Prompt logprobs still to compute: the prefix cache must not skip a position."""
+        return self.prompt_lp_k >= 0 and len(self.prompt_rows) < self.prompt_len - 1
 
     @property
     def pending(self) -> int:

@@ -32,6 +32,8 @@ class EngineRequest:
     # Prefix caching: requests share cached KV blocks only with requests of the same salt (e.g.
     # one per tenant, so no tenant can tell from its latency what another one sent)
     cache_salt: str = ""
+    # echo: the prompt as text (None: the prompt ids decoded)
+    prompt_text: str | None = None
 
 
 class EngineRejected(Exception):
@@ -76,3 +78,6 @@ class StepOutput:
     logprobs: list | None = _wire("lp", sparse=True, default=None)
     # errors: the request field the error is about (EngineRejected.param), if one
     error_param: str | None = _wire("ep", sparse=True, default=None)
+    # the first output of a request that asks for echo / prompt logprobs: [prompt text or None,
+    # per prompt token its entry (the first one's logprob None) or None] (logprobs.prompt_echo)
+    prompt: list | None = _wire("pr", sparse=True, default=None)
