@@ -128,7 +128,7 @@ def main() -> None:
         engines[mode] = engine = Engine(model, tok, EngineConfig(max_batch=4, max_seq_len=2048, prefill_chunk=64,
                                                                  grammar=GrammarLimits(compile_timeout_s=600)))
         if mode == "pool0":
-            engine.grammars.pool.NICE = 0
+            engine.grammars.compile_pool.NICE = 0
         engine.grammars.matcher({"type": "json_object"})     # the token table is built once, outside the runs
     rows = [one_run(engines, tok, mode, n) for n in range(args.runs) for mode in modes]
     gil = gil_probe(engines["inline"])

@@ -146,7 +146,7 @@ def test_limits_refuse_with_the_field_the_schema_came_from(model, tokenizer):
     durations, refusals = engine.take_grammar_records()
     assert sorted(refusals) == ["invalid", "too_large", "too_large"]
     assert len(durations) == 2                       # "bad" and "ok" ran xgrammar; the large ones never did
-    assert engine.grammars.pool.compiler().cache_limit_bytes == 1 << 20
+    assert engine.grammars.compile_pool.compiler().cache_limit_bytes == 1 << 20
 
 
 def test_a_request_cancelled_while_its_grammar_compiles_ends_cancelled(model, tokenizer):

@@ -116,7 +116,7 @@ class FileStore:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.key(file_id), mapping={"meta": json.dumps(meta), "owner": owner, "data": data})
             pipe.expire(self.key(file_id), self.ttl_s)
-            pipe.zadd(self.index(owner), {file_id: now * 1000})
+            pipe.zadd(self.index(owner), {file_id: created_us()})
             pipe.expire(self.index(owner), self.ttl_s)
             await pipe.execute()
         return meta
@@ -158,9 +158,15 @@ class FileStore:
         return [json.loads(m) if m is not None else None for m in raw]
 
 
+def created_us() -> int:
+    """An index score: creation time in µs (exact in a zset's double), so objects made within
+    the same second still sort by when they were made."""
+    return time.time_ns() // 1000
+
+
 async def page(redis: aioredis.Redis, index: str, after: str | None, limit: int, load, keep=lambda obj: True
                ) -> tuple[list[dict], bool]:
-    """One page of an owner's index (zset id -> created ms), newest first, after `after`."""
+    """One page of an owner's index (zset id -> created_us()), newest first, after `after`."""
     start = 0
     if after:
         rank = await redis.zrevrank(index, after)

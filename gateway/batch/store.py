@@ -17,7 +17,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from gateway.batch.files import page
+from gateway.batch.files import created_us, page
 from shared.streams import Keys, as_str
 
 WINDOW_S = {"24h": 86400}
@@ -78,9 +78,10 @@ class BatchStore:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.key(batch_id), mapping=fields)
             pipe.expire(self.key(batch_id), keep)
-            pipe.zadd(self.index(owner), {batch_id: now * 1000})
+            # by creation in µs: batches made in the same second still list newest first
+            pipe.zadd(self.index(owner), {batch_id: created_us()})
             pipe.expire(self.index(owner), keep)
-            pipe.zadd(self.active, {batch_id: now * 1000})
+            pipe.zadd(self.active, {batch_id: created_us()})
             await pipe.execute()
         return render({k: str(v) for k, v in fields.items()})
 

@@ -150,11 +150,11 @@ class Engine:
 
     def on_compiled(self, notify) -> None:
         """`notify()` is called (in a compile thread) whenever a compile ends."""
-        self.grammars.pool.on_done = notify
+        self.grammars.compile_pool.on_done = notify
 
     def take_grammar_records(self) -> tuple[list[float], list[str]]:
         """Compile seconds and refusal reasons since the last take (the worker's metrics)."""
-        return self.grammars.pool.take_records()
+        return self.grammars.compile_pool.take_records()
 
     @property
     def num_running(self) -> int:
@@ -331,7 +331,7 @@ class Engine:
                     raise EngineRejected(ErrorCode.INVALID_REQUEST, "the delivered tokens do not follow the grammar")
                 self._enter(req, matcher)
             except GrammarRefused as exc:
-                self.grammars.pool.count_refusal(exc.reason)
+                self.grammars.compile_pool.count_refusal(exc.reason)
                 self._finals.append(self._unentered(req, "error", ErrorCode.INVALID_REQUEST, f"{exc.param}: {exc}",
                                                     exc.param))
             except EngineRejected as exc:

@@ -63,7 +63,7 @@ class Matcher:
 
 
 class Grammars:
-    """Compiles specs for one engine's tokenizer (on `pool`'s threads) and applies the masks of a
+    """Compiles specs for one engine's tokenizer (on `compile_pool`'s threads) and applies the masks of a
     step's constrained rows. The tokenizer's token table (~0.1-0.4 s to build) is made by the
     first compile, in a compile thread."""
 
@@ -79,7 +79,7 @@ class Grammars:
         words = (vocab + 31) // 32
         self._host = torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
-        self.pool = CompilePool(self._build, _new_matcher, limits or GrammarLimits())
+        self.compile_pool = CompilePool(self._build, _new_matcher, limits or GrammarLimits())
 
     def _build(self, threads: int, cache_bytes: int):
         """The xgrammar compiler for this tokenizer (in a compile thread, once)."""
@@ -99,11 +99,11 @@ class Grammars:
 
     def compile(self, spec: dict) -> Compile:
         """Start compiling `spec` for a request (worker.engine.grammar_compile); never blocks."""
-        return self.pool.submit(spec)
+        return self.compile_pool.submit(spec)
 
     def matcher(self, spec: dict) -> Matcher:
         """A fresh matcher for `spec` compiled in the calling thread (tests, benchmarks), or GrammarRefused."""
-        return self.pool.compile_now(spec)
+        return self.compile_pool.compile_now(spec)
 
     def _allowed(self, host: torch.Tensor, vocab: int) -> torch.Tensor:
         """Bitmask rows [k, words] (bit j of word w: token 32w + j) -> bool [k, vocab] on the
