@@ -29,7 +29,6 @@ from shared.errors import ErrorCode, ProtocolError
 from shared.events import TokEvent
 from shared.logs import rid_of
 from shared.protocol import Generate, Resume
-from shared.streams import META_TOOLS
 
 log = logging.getLogger("gateway.requests")
 
@@ -131,12 +130,6 @@ class RequestCore:
             requests.end_cancelled(req)
         else:
             requests.start_cancel_fallback(req)
-
-    async def tool_reading(self, rid: str, seq: int) -> tuple[str | None, str]:
-        """How rid's answer is read for tool calls (None: plain text) and, when it is, its text
-        through token `seq`: what a client resuming after `seq` has read already."""
-        mode = (await self.submitter.lookup(rid) or {}).get(META_TOOLS)
-        return (mode, await self.text_through(rid, seq)) if mode else (None, "")
 
     async def text_through(self, rid: str, seq: int) -> str:
         """The answer's text through token `seq`, as its history holds it: what a client resuming

@@ -135,14 +135,19 @@ async def resume_stream(request: Request) -> Response:
             raise APIError.from_code(ErrorCode.RESUME_EXPIRED, f"no retained output for {oai_id!r}") from None
         session = front.http_session()
         try:
-            # an answer read for tool calls: its parser picks up where the client's left off
-            tools = structured.resumed_parser(*await front.core.tool_reading(msg.request_id, msg.last_seq),
-                                              msg.request_id)
             req = await front.core.resume(session.requests, key_id, msg, accept=lambda r: None)   # by RunRequest
         except ProtocolError as exc:
             raise APIError.from_code(exc.code, exc.message) from None
         except (RedisError, OSError):
             raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
+        try:
+            # an answer read for tool calls (its meta's mode, read by the resume): its parser
+            # picks up where the client's left off
+            read = await front.core.text_through(req.rid, msg.last_seq) if req.tool_mode else ""
+        except (RedisError, OSError):
+            session.requests.release_all()
+            raise APIError.from_code(ErrorCode.BACKEND_UNAVAILABLE, "the backend (Redis) is unavailable") from None
+        tools = structured.resumed_parser(req.tool_mode, read, req.rid)
     except APIError as exc:
         return exc.response()
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
