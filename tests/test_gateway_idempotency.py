@@ -122,9 +122,11 @@ async def test_a_gateway_lost_before_accepted_costs_no_double_work(redis_server,
 
         def submit_then_die(real_submit):
             async def submit(entry, **kwargs):
-                await real_submit(entry, **kwargs)
-                queued.append(entry.rid)
+                first = await real_submit(entry, **kwargs)
+                if first is None:         # queued (after `dead` is set, A reads the second generates
+                    queued.append(entry.rid)   # its dropped sockets had buffered: B started them first)
                 await dead.wait()                      # the reply never comes back while A "lives"
+                return first
             return submit
 
         gw_a.probe.intercept_submit(submit_then_die)

@@ -89,13 +89,15 @@ def test_the_batch_keeps_stepping_while_a_pathological_schema_compiles(model, to
         assert wait_until(lambda: thread.steps >= steps + 5 and tokens("plain") >= got + 5 or job.future.done(), 120)
         assert not job.future.done(), "the engine did not step while the schema compiled"
         assert "slow" not in received               # the request itself waits for its grammar
+        # cancelled now, while its 1,900 tokens are far from done (a quiet box runs them out
+        # before a multi-second compile ends: cancelling after it would race the length limit)
+        thread.submit(Cancel("plain"))
+        assert wait_until(lambda: any(o.finished for o in received.get("plain", [])), 60)
+        assert received["plain"][-1].finish_reason == "cancelled"
         assert job.future.exception(timeout=300) is None
         assert wait_until(lambda: any(o.finished for o in received.get("slow", [])), 120)
         final = received["slow"][-1]
         assert final.finish_reason == "length" and tokens("slow") == 4, final
-        thread.submit(Cancel("plain"))
-        assert wait_until(lambda: any(o.finished for o in received.get("plain", [])), 60)
-        assert received["plain"][-1].finish_reason == "cancelled"
         tel = thread.take_telemetry()
         assert len(tel.compiles) == 1 and tel.compiles[0] > 0 and tel.refusals == []
     finally:
