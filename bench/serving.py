@@ -47,6 +47,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import percentile, table, write_json  # noqa: E402
+from worker.engine.threads import SPIN_ENV  # noqa: E402
+
+for _key, _value in SPIN_ENV.items():   # the engine target's OpenMP as the worker's (before torch loads)
+    os.environ.setdefault(_key, _value)
 
 MODEL = "SmolLM2-135M-Instruct"
 PROFILES = {"sync": 1, "c4": 4, "c16": 16}
@@ -92,13 +96,14 @@ class EngineTarget:
     def __init__(self, settings, max_batch: int):
         from worker.engine import Engine, EngineConfig, load_model
         from worker.engine.config import default_prefill_chunk
-        from worker.engine.threads import apply_torch_threads
+        from worker.engine.threads import apply_torch_threads, wide_torch_threads
         self.threads = apply_torch_threads(settings)
         self.model, self.tok = load_model(settings)
         kind = self.model.device.type
         self.engine = Engine(self.model, self.tok, EngineConfig(
             max_batch=max_batch, max_seq_len=settings.max_seq_len, prefill_chunk=default_prefill_chunk(kind),
-            device=kind, dtype=self.model.dtype))
+            device=kind, dtype=self.model.dtype, wide_threads=wide_torch_threads(settings, kind),
+            wide_from_tokens=settings.torch_wide_from_tokens))
 
     def run(self, texts: list[str], concurrency: int, output: int) -> list[tuple]:
         from shared.sampling import SamplingParams

@@ -90,6 +90,9 @@ class Settings(BaseSettings):
                                                    "as interactive (batch work always progresses)")
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = on CPU every usable core but one "
                                               "(worker/engine/threads.py), on CUDA torch's default")
+    torch_wide_from_tokens: int = Field(8, ge=0, description="with TORCH_THREADS=0 on CPU, a step of at least this "
+                                                             "many tokens (decode rows + prefill) takes every usable "
+                                                             "core instead of all but one; 0 = never")
     shutdown_grace_s: float = Field(30.0, description="on SIGTERM a worker finishes running requests this long, then hands the rest back")
     max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")
     worker_flush_ms: int = Field(15, description="a request's new tokens are written to Redis at most this often "

@@ -40,8 +40,17 @@ def quiet_progress_bars() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def openmp_spin_defaults() -> None:
+    """OpenMP's idle-thread spin bounded (worker.engine.threads.SPIN_ENV) unless the environment
+    sets it: read by libgomp when the engine process (spawned: a fresh interpreter) imports torch."""
+    from worker.engine.threads import SPIN_ENV
+    for key, value in SPIN_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def main() -> int:
     quiet_progress_bars()
+    openmp_spin_defaults()
     settings = get_settings()
     configure("worker")
     logging.getLogger("worker").info(settings.log_line("worker"))

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from worker.engine.grammar_compile import GrammarLimits
+from worker.engine.threads import wide_torch_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,6 +87,8 @@ class EngineConfig:
     prefix_caching: bool = True   # reuse the KV blocks of earlier requests' identical context prefixes
     shared_prefixes: tuple[str, ...] = ()   # prompt openings every cache scope shares (worker.engine.shared_prefix)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)   # structured output's compile limits
+    wide_threads: int = 0         # CPU: torch threads of a step of >= wide_from_tokens tokens (0: never change them)
+    wide_from_tokens: int = 8
 
     def __post_init__(self):
         if (self.max_batch < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1 or self.kv_cache_tokens < 0
@@ -117,4 +120,6 @@ class EngineConfig:
             prefix_caching=settings.prefix_caching,
             shared_prefixes=tuple(settings.cache_shared_prefixes),
             grammar=GrammarLimits.from_settings(settings),
+            wide_threads=wide_torch_threads(settings, device),
+            wide_from_tokens=settings.torch_wide_from_tokens,
         )

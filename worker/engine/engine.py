@@ -51,6 +51,7 @@ from worker.engine.sampling import make_generator, skip
 from worker.engine.scheduler import Scheduler, StepPlan
 from worker.engine.sequence import Sequence
 from worker.engine.shared_prefix import SharedPrefixes
+from worker.engine.threads import StepThreads
 from worker.engine.types import EngineRejected, EngineRequest, FinishReason, StepOutput  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,9 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
                                   max_positions=config.max_seq_len, device=self.device,
-                                  dtype=config.dtype, cuda_graphs=config.cuda_graphs, grammars=self.grammars)
+                                  dtype=config.dtype, cuda_graphs=config.cuda_graphs, grammars=self.grammars,
+                                  threads=StepThreads(torch.get_num_threads(), config.wide_threads,
+                                                      config.wide_from_tokens))
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._by_rid: dict[str, Sequence] = {}
         # requests waiting for their grammar (worker.engine.grammar_compile): they join at a step

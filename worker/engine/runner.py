@@ -35,6 +35,7 @@ from worker.engine.logprobs import LogprobGather, prompt_rows
 from worker.engine.sampling import MASK_EOS, sample
 from worker.engine.scheduler import StepPlan
 from worker.engine.sequence import Sequence
+from worker.engine.threads import StepThreads
 
 IDS, POSITIONS, ROWS, LENGTHS, TABLE_ROWS, SLOTS = range(6)   # rows of the staging buffers (SLOTS: sampled rows')
 
@@ -42,8 +43,9 @@ IDS, POSITIONS, ROWS, LENGTHS, TABLE_ROWS, SLOTS = range(6)   # rows of the stag
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, *, groups: int, max_batch: int, max_tokens: int,
                  max_positions: int, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = True,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, threads: StepThreads | None = None):
         self.decoder = Decoder(model, max_positions)
+        self.threads = threads if threads is not None and threads.active else None   # CPU: by the step's size
         self.cache = cache
         self.groups = groups
         self.device = device
@@ -95,6 +97,8 @@ class ModelRunner:
             return []
         if self._upload_done is not None:
             self._upload_done.synchronize()   # done long ago in practice: a query, not a wait
+        if self.threads is not None:
+            self.threads.fit(len(plan.decode) + sum(n for _, n in plan.prefill))
         bs = self.cache.block_size
         decode = plan.decode
         nd = len(decode)

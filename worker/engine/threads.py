@@ -8,12 +8,21 @@ and the whole team waits at the region's barrier (docs/operations.md, "Threads a
 bench/RESULTS.md, "Serving": two torch threads beside the stack on a 2-core box gave one user
 half the engine's speed).
 
-So the engine takes every usable core but one (at least one): the one left runs the worker's
-Redis loop, the gateway and Redis when they share the box, and absorbs the OS. A single stream's
-decode step is bound by weight bytes, not by arithmetic, and loses nothing with one thread fewer
-(measured on a 2-core EPYC: 1 thread 20.2 ms, 2 threads 19.2 ms a token alone, and 2 threads
-lose beside the stack); batched decode and prefill are arithmetic and gain from every core a
-dedicated worker box gives them (docs/operations.md, "Threads and cores").
+So a decode step of few rows takes every usable core but one (at least one): the one left runs
+the worker's Redis loop, the gateway and Redis when they share the box, and absorbs the OS. One
+user's decode step is short and the stack's own work per token (Redis commit, the gateway's
+read and write, the client) falls between and inside it, so a team spanning every core loses
+more than the extra core gives (2-core EPYC, one stream through the stack: ITL 19.3 ms with one
+thread, 24.8-31.8 ms with two). A step of many tokens (a batch of decode rows, a prefill chunk)
+is arithmetic: it takes every usable core (`StepThreads`), which there gains more than the
+stack's work between steps costs (16 streams through the stack: 102 -> 111 tok/s; the engine
+alone 102 -> 176). docs/operations.md, "Threads and cores", has the measurements.
+
+OpenMP's idle threads spin before they sleep: libgomp's default (300,000 spins, milliseconds)
+keeps the team's second core busy between steps, where the gateway and Redis need it. The
+worker sets `GOMP_SPINCOUNT=10000` (~0.2 ms: still hot between the regions of one step) unless
+the environment sets it (`SPIN_ENV`): a two-thread stack went from ITL 31.8 to 24.8 ms with it,
+and a two-thread engine alone lost nothing (12.0 vs 12.1 ms a step at one row).
 
 Usable cores are the process's CPU affinity capped by its cgroup's CPU quota (a container
 limited with `--cpus 2` on a 64-core host sees 64 cores in os.cpu_count()). CUDA workers keep
@@ -45,6 +54,10 @@ def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
     return max(1, cores)
 
 
+SPIN_ENV = {"GOMP_SPINCOUNT": "10000"}   # read by libgomp when it loads: set before a process imports torch
+WIDE_FROM_TOKENS = 8                     # a step of this many tokens takes every core (TORCH_WIDE_FROM_TOKENS)
+
+
 def default_torch_threads(cores: int) -> int:
     """A CPU engine's intra-op threads on `cores` usable cores: all but one, at least one."""
     return max(1, cores - 1)
@@ -62,3 +75,38 @@ def apply_torch_threads(settings, device: str = "cpu") -> int:
         return torch.get_num_threads()
     torch.set_num_threads(threads)
     return threads
+
+
+def wide_torch_threads(settings, device: str = "cpu") -> int:
+    """The threads a step of many tokens takes (every usable core), or 0 when steps never change
+    the count: a fixed TORCH_THREADS, CUDA, TORCH_WIDE_FROM_TOKENS=0, or one core."""
+    if device != "cpu" or settings.torch_threads > 0 or settings.torch_wide_from_tokens <= 0:
+        return 0
+    cores = usable_cores()
+    return cores if cores > default_torch_threads(cores) else 0
+
+
+class StepThreads:
+    """Per step, torch's intra-op threads by the step's size: `narrow` below `from_tokens`
+    tokens, `wide` from there (see the module's docstring). Changing the count costs ~2 µs
+    (libgomp keeps its pool), and it changes only when the size crosses the line."""
+
+    __slots__ = ("narrow", "wide", "from_tokens", "current", "_set")
+
+    def __init__(self, narrow: int, wide: int, from_tokens: int, set_threads=None):
+        import torch
+        self.narrow, self.wide, self.from_tokens = narrow, wide, from_tokens
+        self._set = set_threads or torch.set_num_threads
+        self.current = narrow
+
+    @property
+    def active(self) -> bool:
+        return self.wide > self.narrow and self.from_tokens > 0
+
+    def fit(self, tokens: int) -> int:
+        """Set the count for a step of `tokens` tokens; returns it."""
+        want = self.wide if tokens >= self.from_tokens else self.narrow
+        if want != self.current:
+            self._set(want)
+            self.current = want
+        return want
