@@ -15,8 +15,11 @@ read and write, the client) falls between and inside it, so a team spanning ever
 more than the extra core gives (2-core EPYC, one stream through the stack: ITL 19.3 ms with one
 thread, 24.8-31.8 ms with two). A step of many tokens (a batch of decode rows, a prefill chunk)
 is arithmetic: it takes every usable core (`StepThreads`), which there gains more than the
-stack's work between steps costs (16 streams through the stack: 102 -> 111 tok/s; the engine
-alone 102 -> 176). docs/operations.md, "Threads and cores", has the measurements.
+stack's work between steps costs (16 streams through the stack: 103 -> 138 tok/s; the engine
+alone 102 -> 179). docs/operations.md, "Threads and cores", has the measurements. The 4-bit /
+dense crossover (cpu_kernels.py) is timed at start with the narrow count: on the 2-core EPYC it
+is 32 rows with one thread and 64 with two, so a wide step of 32-63 rows runs dense where the
+4-bit kernel would still be faster (bench/RESULTS.md, "Engine").
 
 OpenMP's idle threads spin before they sleep: libgomp's default (300,000 spins, milliseconds)
 keeps the team's second core busy between steps, where the gateway and Redis need it. The
@@ -55,7 +58,6 @@ def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
 
 
 SPIN_ENV = {"GOMP_SPINCOUNT": "10000"}   # read by libgomp when it loads: set before a process imports torch
-WIDE_FROM_TOKENS = 8                     # a step of this many tokens takes every core (TORCH_WIDE_FROM_TOKENS)
 
 
 def default_torch_threads(cores: int) -> int:
