@@ -47,10 +47,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import percentile, table, write_json  # noqa: E402
-from worker.engine.threads import SPIN_ENV  # noqa: E402
+from worker.engine.threads import bound_openmp_spin  # noqa: E402
 
-for _key, _value in SPIN_ENV.items():   # the engine target's OpenMP as the worker's (before torch loads)
-    os.environ.setdefault(_key, _value)
+bound_openmp_spin()   # the engine target's OpenMP as the worker's (before torch loads)
 
 MODEL = "SmolLM2-135M-Instruct"
 PROFILES = {"sync": 1, "c4": 4, "c16": 16}

@@ -43,9 +43,8 @@ def quiet_progress_bars() -> None:
 def openmp_spin_defaults() -> None:
     """OpenMP's idle-thread spin bounded (worker.engine.threads.SPIN_ENV) unless the environment
     sets it: read by libgomp when the engine process (spawned: a fresh interpreter) imports torch."""
-    from worker.engine.threads import SPIN_ENV
-    for key, value in SPIN_ENV.items():
-        os.environ.setdefault(key, value)
+    from worker.engine.threads import bound_openmp_spin
+    bound_openmp_spin()
 
 
 def main() -> int:

@@ -60,6 +60,13 @@ def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
 SPIN_ENV = {"GOMP_SPINCOUNT": "10000"}   # read by libgomp when it loads: set before a process imports torch
 
 
+def bound_openmp_spin() -> None:
+    """`SPIN_ENV` into this process's environment where it does not set them: for the torch a
+    process imports after this, or a process it spawns (the worker's engine)."""
+    for key, value in SPIN_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def default_torch_threads(cores: int) -> int:
     """A CPU engine's intra-op threads on `cores` usable cores: all but one, at least one."""
     return max(1, cores - 1)
