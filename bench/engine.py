@@ -477,8 +477,11 @@ def main() -> None:
                   else args.model_path or "SmolLM2-135M-Instruct (GGUF, dequantized)")
     if any(isinstance(m, Int4Linear) for m in model.modules()):
         model_name += ", int4 projections"
+    from worker.engine.cpu_kernels import cpu_model, kernel_path
+    cpu, kernels = cpu_model(), kernel_path(model)
+    print(f"CPU: {cpu}; torch threads: {torch.get_num_threads()}; kernels: {kernels}")
     path = write_json("engine", {
-        "baseline": "static", "model": f"{model_name} ({model.dtype})",
+        "baseline": "static", "model": f"{model_name} ({model.dtype})", "cpu": cpu, "kernels": kernels,
         "device": args.device, "torch_threads": torch.get_num_threads(), "args": vars(args), "results": results,
         "rows": rows,
     })

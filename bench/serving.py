@@ -309,13 +309,15 @@ def main() -> None:
         ll = by.get(("llamacpp", r["profile"]))
         if ll and ll["out_tok_s"]:
             r["x_llamacpp_tok_s"] = round(r["out_tok_s"] / ll["out_tok_s"], 2)
-    from worker.engine.cpu_kernels import cpu_model
+    from worker.engine.cpu_kernels import cpu_model, kernel_path
     cpu = cpu_model()
     threads = engine.threads if engine else None
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; engine torch threads: {threads}; worker env: {worker_env or 'defaults'}")
+    kernels = kernel_path(engine.model) if engine else None
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; engine torch threads: {threads}; kernels: {kernels}; "
+          f"worker env: {worker_env or 'defaults'}")
     print(table(rows, ["target", "profile", "requests", "errors", "out_tok_s", "x_engine_tok_s", "x_llamacpp_tok_s",
                        "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "wall_s"]))
-    path = write_json(args.name, {"cpu": cpu, "engine_threads": threads, "worker_env": worker_env, "seed": run_seed,
+    path = write_json(args.name, {"cpu": cpu, "engine_threads": threads, "kernels": kernels, "worker_env": worker_env, "seed": run_seed,
                                   "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                                   "rows": rows})
     print(f"wrote {path}")
