@@ -13,6 +13,7 @@ import hmac
 from importlib import metadata
 from pathlib import Path
 
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -51,12 +52,25 @@ async def readyz(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """`GET /health` (and `/v1/health`) as vLLM, TGI and llama.cpp serve it, which benchmark
-    and load-balancer clients (guidellm among them) check before they send anything: 200 when
-    this gateway can serve (it is /readyz under the name those clients know), else 503."""
+    and load-balancer clients (guidellm among them) check before they send anything: 200 when a
+    request sent now would be served, else 503. That is /readyz (this gateway: Redis, its inbox,
+    not draining) and a live worker (admission's registry snapshot, cached `ADMISSION_CACHE_MS`):
+    vLLM's /health answers only once its engine is up, and a client that starts as soon as it
+    sees 200 (guidellm right after the stack starts, while the model still loads) would
+    otherwise get 503 `overloaded` for every request. /readyz leaves workers out on purpose: a
+    gateway with none still answers each request with a typed error, where an unready one
+    would be taken out of its load balancer."""
     hub: Hub = request.app.state.hub
-    ok = await hub.ready()
-    return JSONResponse({"status": "ok" if ok else ("draining" if hub.draining else "unavailable")},
-                        status_code=200 if ok else 503)
+    if not await hub.ready():
+        return JSONResponse({"status": "draining" if hub.draining else "unavailable"}, status_code=503)
+    try:
+        workers = (await hub.admission.backlog()).live_workers
+    except (RedisError, OSError):
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    if not workers:
+        return JSONResponse({"status": "unavailable", "reason": "no worker is alive to serve requests yet"},
+                            status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 async def version(request: Request) -> Response:
