@@ -174,6 +174,10 @@ def guidellm_run(target: str, profile: str, count: int, prompt: int, output: int
     cmd = [str(exe), "run", "--backend", f"kind=openai_http,target={target}", "--profile", kind,
            "--constraint", f"kind=max_requests,count={count}",
            "--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}",
+           # guidellm's data worker prefetches 4,096 synthetic prompts by default: a core at 100%
+           # for the first 6-10 s of every run, beside the target on a small box (the first
+           # requests' TTFT 4x, session 23); a few ahead of demand is what a client does
+           "--data-loader", f"kind=pytorch,prefetch_factor={min(count, 2 * streams)}",
            "--tokenizer", f"kind=huggingface_auto,model={tok_dir}", "--output", f"kind=json,path={report}",
            "--seed", f"kind=static,value={seed}", "--disable-console"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
