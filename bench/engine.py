@@ -477,7 +477,8 @@ def main() -> None:
                   else args.model_path or "SmolLM2-135M-Instruct (GGUF, dequantized)")
     if any(isinstance(m, Int4Linear) for m in model.modules()):
         model_name += ", int4 projections"
-    from worker.engine.cpu_kernels import cpu_model, kernel_path
+    from worker.engine.cpu_kernels import cpu_model
+    from worker.engine.quantize import kernel_path
     cpu, kernels = cpu_model(), kernel_path(model)
     print(f"CPU: {cpu}; torch threads: {torch.get_num_threads()}; kernels: {kernels}")
     path = write_json("engine", {

@@ -313,7 +313,8 @@ def main() -> None:
         ll = by.get(("llamacpp", r["profile"]))
         if ll and ll["out_tok_s"]:
             r["x_llamacpp_tok_s"] = round(r["out_tok_s"] / ll["out_tok_s"], 2)
-    from worker.engine.cpu_kernels import cpu_model, kernel_path
+    from worker.engine.cpu_kernels import cpu_model
+    from worker.engine.quantize import kernel_path
     cpu = cpu_model()
     threads = engine.threads if engine else None
     kernels = kernel_path(engine.model) if engine else None

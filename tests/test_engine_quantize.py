@@ -205,17 +205,17 @@ def test_the_chosen_kernel_path_is_read_back_from_the_model_for_bench_rows():
     """bench/serving.py and bench/engine.py record which kernels ran beside the CPU model: read
     from the loaded model, as the calibration (here: fixed row counts) left it."""
     torch.manual_seed(0)
-    assert cpu_kernels.kernel_path(LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()) == "dense"
+    assert quantize.kernel_path(LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()) == "dense"
     model = LlamaForCausalLM(LlamaConfig(**dict(SHAPE, tie_word_embeddings=True))).eval()
     generator = torch.Generator().manual_seed(7)
     model.model.embed_tokens.weight.data = q8_0_weight(*model.model.embed_tokens.weight.shape, generator)
     quantize_int4(model, torch.bfloat16, dense_rows=16)
-    assert cpu_kernels.kernel_path(model) == ("4-bit projections below 16 rows, dense from 16; "
+    assert quantize.kernel_path(model) == ("4-bit projections below 16 rows, dense from 16; "
                                               "8-bit head below 16 rows, dense from 16")
     model = LlamaForCausalLM(LlamaConfig(**dict(SHAPE, tie_word_embeddings=True))).eval()
     model.model.embed_tokens.weight.data = q8_0_weight(*model.model.embed_tokens.weight.shape, generator)
     quantize_int4(model, torch.bfloat16, dense_rows=0)
-    assert cpu_kernels.kernel_path(model) == "4-bit projections at every size; 8-bit head at every size"
+    assert quantize.kernel_path(model) == "4-bit projections at every size; 8-bit head at every size"
 
 
 def test_a_dense_copy_fuses_with_the_projections_and_the_engine_equals_generate():

@@ -121,19 +121,3 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     kinds = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
     return f"{name} [{' '.join(kinds) or 'no AVX2'}]"
 
-
-def kernel_path(model) -> str:
-    """Which kernels this loaded model's products run on, by size, as the calibration above (or
-    a fixed INT4_DENSE_ROWS) chose them: for bench rows, beside `cpu_model()`. "dense" for a model
-    with no 4-bit projections (fp32, bf16, a GPU)."""
-    from worker.engine.quantize import Int4Linear, Int8SplitLinear
-    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    if not linears:
-        return "dense"
-    rows = linears[0].dense_from_rows if linears[0].dense is not None else 0
-    parts = [f"4-bit projections below {rows} rows, dense from {rows}" if rows else "4-bit projections at every size"]
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, Int8SplitLinear):
-        parts.append(f"8-bit head below {head.dense_from_rows} rows, dense from {head.dense_from_rows}"
-                     if head.dense is not None else "8-bit head at every size")
-    return "; ".join(parts)

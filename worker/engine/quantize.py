@@ -269,3 +269,19 @@ def gguf_is_int4_exact(path: str) -> bool:
     the kernel packs: then `quantize_int4` recovers the file's own 4-bit values (only each
     group's scale and offset are rounded to bf16), and 4 bits lose nothing the file had."""
     return _gguf_projections_q4_1(path, os.stat(path).st_mtime_ns)
+
+
+def kernel_path(model) -> str:
+    """Which kernels this loaded model's products run on, by size, as the calibration (cpu_kernels.py, or
+    a fixed INT4_DENSE_ROWS) chose them: for bench rows, beside `cpu_model()`. "dense" for a model
+    with no 4-bit projections (fp32, bf16, a GPU)."""
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if not linears:
+        return "dense"
+    rows = linears[0].dense_from_rows if linears[0].dense is not None else 0
+    parts = [f"4-bit projections below {rows} rows, dense from {rows}" if rows else "4-bit projections at every size"]
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Int8SplitLinear):
+        parts.append(f"8-bit head below {head.dense_from_rows} rows, dense from {head.dense_from_rows}"
+                     if head.dense is not None else "8-bit head at every size")
+    return "; ".join(parts)
