@@ -85,9 +85,11 @@ async def test_gateway_running_a_batch_dies_another_finishes_it(redis_server, re
     try:
         batch_id = await start_batch(base_a)
         await progress_reaches(base_a, batch_id, 3)       # gw-a (the only replica) runs it
-        gw_b, base_b = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-b", env=GW_ENV)
         gw_a.signal(sig)                                    # mid-batch, lines in flight
         gw_a.popen.wait(30)
+        # the survivor starts only now: started before the kill, it took seconds on a loaded box,
+        # and gw-a could finish every line meanwhile (no takeover to see)
+        gw_b, base_b = start_gateway(redis_server.url, stream_prefix, tmp_path, name="gw-b", env=GW_ENV)
         await check_exactly_once(redis_client, stream_prefix, base_b, batch_id, one_request_per_line=True)
         if sig == signal.SIGKILL:
             assert "taken over from gateway" in gw_b.log()
