@@ -48,14 +48,12 @@ async def test_health_and_version(redis_server, vllm_stack):
             assert r.status_code == 503 and r.json() == {"status": "draining"}
 
 
-async def test_health_waits_for_a_live_worker_where_readyz_does_not(redis_server):
+async def test_health_waits_for_a_live_worker_where_readyz_does_not(redis_server, stream_prefix):
     """A stack whose worker is still loading its model: /health (what guidellm checks before it
     sends) answers 503 with the reason, so a benchmark started too early stops at its check
     instead of getting `overloaded` for every request; /readyz (a load balancer's) stays 200, so
     the gateway keeps answering clients with typed errors meanwhile."""
-    import uuid
-    prefix = f"noworker-{uuid.uuid4().hex[:8]}"
-    async with gateway_in_process(settings(redis_server, prefix)) as gw:
+    async with gateway_in_process(settings(redis_server, stream_prefix)) as gw:   # no worker on it
         async with httpx.AsyncClient(base_url=gw.base) as http:
             assert await eventually(lambda: _ok(http, "/readyz"), timeout=30)
             for path in ("/health", "/v1/health"):

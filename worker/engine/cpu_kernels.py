@@ -120,4 +120,3 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
             flags = set(line.split(":", 1)[1].split())
     kinds = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
     return f"{name} [{' '.join(kinds) or 'no AVX2'}]"
-
