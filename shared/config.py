@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     int4_dense_rows: int = Field(-1, ge=-1, description="4-bit workers: products of this many rows or more (prefill "
                                  "chunks, large batches) run on a dense copy of the weights; -1 = timed at start "
                                  "on this CPU (docs/operations.md), 0 = never (no dense copy: less memory)")
+    int4_q8_rows: int = Field(-1, ge=-1, description="4-bit workers: products of fewer rows (a decode step's) run "
+                              "on llama.cpp's arithmetic, 8-bit activations on the CPU's integer dot products "
+                              "(worker/engine/q8_kernels.py); -1 = timed at start on this CPU, 0 = never")
     max_batch: int = Field(16, description="max requests in the running batch")
     worker_queue_depth: int = Field(16, description="requests a worker takes beyond its running batch, queued in "
                                                     "its engine so that admission follows priority lanes")

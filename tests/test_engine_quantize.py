@@ -18,7 +18,7 @@ from shared.config import Settings
 from shared.sampling import SamplingParams
 from tests.engine_families import COMMON, PROMPTS, assert_engine_equals_generate, reference
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model
-from worker.engine import cpu_kernels, quantize
+from worker.engine import cpu_kernels, q8_kernels, quantize
 from worker.engine.config import settings_dtype, settings_quantization
 from worker.engine.quantize import (GROUP, Int4Linear, Int8SplitLinear, gguf_is_int4_exact,
                                     native_bf16_cpu, quantize_int4)
@@ -319,17 +319,27 @@ def test_smollm2_in_4_bits_stays_close_to_float32_and_the_engine_equals_generate
     CPU's bf16 kernels: an AMX Xeon answers this test's question differently from an EPYC.)"""
     text = (ROOT / "docs" / "failover.md").read_text()[:3000]
     logits = {}
-    for quantization in ("none", "int4"):
-        model, tok = load_model(Settings(model_path="", device="cpu", quantization=quantization))
+    # float32; 4-bit with bf16 activations on every product; 4-bit with llama.cpp's 8-bit
+    # activations on every product (q8_kernels.py: a decode step's few rows take them by default
+    # where they are faster). The last one loaded runs the engine below.
+    variants = {"none": dict(quantization="none"), "int4": dict(quantization="int4", int4_q8_rows=0),
+                "int4-q8": dict(quantization="int4", int4_q8_rows=1 << 20, int4_dense_rows=0)}
+    for name, settings in variants.items():
+        if name == "int4-q8" and q8_kernels.load() is None:
+            continue
+        model, tok = load_model(Settings(model_path="", device="cpu", **settings))
         ids = tok(text, return_tensors="pt").input_ids[:, :512]
         with torch.inference_mode():
-            logits[quantization] = model(ids).logits[0].float()
+            logits[name] = model(ids).logits[0].float()
     assert model.dtype == torch.bfloat16 and type(model.model.layers[0].mlp.up_proj) is Int4Linear
-    ref, q4 = logits["none"], logits["int4"]
-    agree = (q4.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    kl = torch.nn.functional.kl_div(q4.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                    reduction="none").sum(-1).mean().item()
-    assert agree >= 0.93 and kl < 0.01, (agree, kl)       # measured: 0.97, 0.0015 (EPYC and Xeon alike)
+    ref = logits.pop("none")
+    # measured: bf16 activations 0.97-0.98, KL 0.0015-0.0016 (EPYC and Xeon alike); 8-bit
+    # activations 0.955, KL 0.0057 (Xeon): llama.cpp's own arithmetic for these Q4_1/Q8_0 weights
+    for name, q4 in logits.items():
+        agree = (q4.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        kl = torch.nn.functional.kl_div(q4.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1).mean().item()
+        assert agree >= 0.93 and kl < 0.01, (name, agree, kl)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = build_prompt_ids(tok, None, chat)
     with torch.inference_mode():

@@ -102,6 +102,67 @@ def calibrate_head(head, dense_weight: torch.Tensor, linears: list, int4_linear:
     return chosen
 
 
+Q8_ROW_COUNTS = (1, 2, 3, 4, 8)   # decode rows: where the 8-bit-activation kernel may win
+
+
+def below(timings: dict[int, tuple[float, float]]) -> int:
+    """From {rows: (torch's packed ms, 8-bit-activation ms)}: 1 + the largest row count up to
+    which the 8-bit-activation kernel wins (by WIN) at every count timed; 0 if not at 1 row."""
+    below_rows = 0
+    for rows in sorted(timings):
+        packed_ms, q8_ms = timings[rows]
+        if q8_ms > WIN * packed_ms:
+            break
+        below_rows = rows + 1
+    return below_rows
+
+
+def _best_pair(a: Callable[[], object], b: Callable[[], object], repeats: int,
+               before: Callable[[], object] | None = None) -> tuple[float, float]:
+    """The best milliseconds of `a` and of `b`, timed alternately (a VM's neighbours move a
+    core's speed by tens of percent within a second: alternation gives both the same luck)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats + 1):
+        for fn, into in ((a, times[0]), (b, times[1])):
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            fn()
+            if i:
+                into.append(time.perf_counter() - t)
+    return 1000 * min(times[0]), 1000 * min(times[1])
+
+
+def calibrate_q8(linears: list, head, int4_linear: Callable, dtype: torch.dtype, repeats: int = 4,
+                 row_counts: tuple[int, ...] = Q8_ROW_COUNTS) -> tuple[int, int]:
+    """(projections, head): the row counts below which the 8-bit-activation kernels
+    (q8_kernels.py) should run instead of torch's packed ones, each timed as the others (every
+    projection once per run; the head after such a pass). 0 where they do not win at 1 row."""
+    generator = torch.Generator().manual_seed(2)
+    projections: dict[int, tuple[float, float]] = {}
+    heads: dict[int, tuple[float, float]] = {}
+    one = {n: torch.randn(1, n, generator=generator).to(dtype) for n in {q.in_features for q in linears}}
+    evict = lambda: [int4_linear(one[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731
+    with torch.inference_mode():
+        for rows in row_counts:
+            xs = {n: torch.randn(rows, n, generator=generator).to(dtype) for n in {q.in_features for q in linears}}
+            packed = lambda: [int4_linear(xs[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731
+            q8 = lambda: [int4_linear(xs[q.in_features], q.packed, q.scales_zeros, q8=q.q8,  # noqa: E731
+                                      q8_below_rows=rows + 1) for q in linears]
+            projections[rows] = _best_pair(packed, q8, repeats)
+            if head is not None and head.q8_packed is not None:
+                x = torch.randn(rows, head.in_features, generator=generator).to(dtype)
+                split = lambda: int4_linear(torch.cat([x, x], -1), head.packed, head.scales_zeros)  # noqa: E731
+                from worker.engine.q8_kernels import q8_linear
+                heads[rows] = _best_pair(split, lambda: q8_linear(x, head.q8_packed, head.q8_scales), repeats, evict)
+    chosen = below(projections), below(heads) if heads else 0
+    log.info("CPU kernels: 8-bit activations (llama.cpp's arithmetic) %s for the projections, %s for the head "
+             "(rows: torch 4-bit/8-bit-activation ms: projections %s; head %s)",
+             f"below {chosen[0]} rows" if chosen[0] else "off", f"below {chosen[1]} rows" if chosen[1] else "off",
+             _shown(projections), _shown(heads) or "-")
+    return chosen
+
+
 def _shown(timings: dict[int, tuple[float, float]]) -> str:
     return ", ".join(f"{rows}: {a:.2f}/{b:.2f}" for rows, (a, b) in timings.items())
 

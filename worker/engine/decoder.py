@@ -85,9 +85,10 @@ def projection(linears: list[torch.nn.Module]):
         return linears[0]
     tensors = _fuse(linears)
     if isinstance(linears[0], Int4Linear):
-        packed, scales_zeros, bias, dense = tensors
-        from_rows = linears[0].dense_from_rows
-        return lambda x: int4_linear(x, packed, scales_zeros, bias, dense, from_rows)
+        packed, scales_zeros, bias, dense, q8_packed, q8_scales, q8_zeros = tensors
+        from_rows, q8_below_rows = linears[0].dense_from_rows, linears[0].q8_below_rows
+        q8 = None if q8_packed is None else (q8_packed, q8_scales, q8_zeros)
+        return lambda x: int4_linear(x, packed, scales_zeros, bias, dense, from_rows, q8, q8_below_rows)
     weight, bias = tensors
     return lambda x: F.linear(x, weight, bias)
 

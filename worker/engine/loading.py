@@ -33,7 +33,7 @@ def load_model(settings):
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32 if int4 else dtype, **kwargs)
     model.to(device)
     if int4:
-        quantize_int4(model, dtype, dense_rows=settings.int4_dense_rows)
+        quantize_int4(model, dtype, dense_rows=settings.int4_dense_rows, q8_rows=settings.int4_q8_rows)
     model.eval()
     model.requires_grad_(False)
     log.info("model %s%s on %s: %s activations, %s projections, %s head; %d torch threads", directory,

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.engine import cpu_kernels
+from worker.engine import cpu_kernels, q8_kernels
 
 GROUP = 32                    # input features per scale/offset (llama.cpp's Q4 block size)
 PACK_ROWS = 64                # the CPU packing's block of output rows (independent of the others)
@@ -69,7 +69,8 @@ class Int4Linear(torch.nn.Module):
     of q [out, in]) and `scales_zeros` [in / GROUP, out, 2], where w = (q - 8) * scale + zero."""
 
     # tensors and the axis their output rows lie on: a fused projection concatenates them there
-    ROW_AXES = (("packed", 0), ("scales_zeros", 1), ("bias", 0), ("dense", 0))
+    ROW_AXES = (("packed", 0), ("scales_zeros", 1), ("bias", 0), ("dense", 0),
+                ("q8_packed", 0), ("q8_scales", 0), ("q8_zeros", 0))
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
                  in_features: int):
@@ -80,6 +81,12 @@ class Int4Linear(torch.nn.Module):
         # the same weights dense (`with_dense`), for products of `dense_from_rows` rows or more
         self.register_buffer("dense", None)
         self.dense_from_rows = 0
+        # the same weights in the 8-bit-activation kernel's layout (q8_kernels.py), for products
+        # of fewer than `q8_below_rows` rows (`with_q8`)
+        self.register_buffer("q8_packed", None)
+        self.register_buffer("q8_scales", None)
+        self.register_buffer("q8_zeros", None)
+        self.q8_below_rows = 0
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
 
     @classmethod
@@ -99,10 +106,28 @@ class Int4Linear(torch.nn.Module):
         scales_zeros = torch.stack([step.t(), (low + 8 * step).t()], -1).to(dtype).contiguous()
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        return cls(packed, scales_zeros, bias, in_features)
+        made = cls(packed, scales_zeros, bias, in_features)
+        if q8_kernels.fits(in_features) and scales_zeros.dtype == torch.bfloat16:
+            # kept until the calibration says whether this CPU runs them faster (`with_q8`)
+            made.q8_packed = q8_kernels.pack_q4(q)
+            made.q8_scales = scales_zeros[..., 0].t().contiguous()
+            made.q8_zeros = scales_zeros[..., 1].t().contiguous()
+        return made
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self.packed, self.scales_zeros, self.bias, self.dense, self.dense_from_rows)
+        return int4_linear(x, self.packed, self.scales_zeros, self.bias, self.dense, self.dense_from_rows,
+                           self.q8, self.q8_below_rows)
+
+    @property
+    def q8(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return None if self.q8_packed is None else (self.q8_packed, self.q8_scales, self.q8_zeros)
+
+    def with_q8(self, below_rows: int) -> None:
+        """Products of fewer than `below_rows` rows run on the 8-bit-activation kernel
+        (q8_kernels.py); 0 drops its copy of the weights."""
+        self.q8_below_rows = below_rows
+        if not below_rows:
+            self.q8_packed = self.q8_scales = self.q8_zeros = None
 
     def dequantized(self) -> torch.Tensor:
         """The weights the kernel multiplies by, [out, in] in the activations' dtype (read back
@@ -117,14 +142,18 @@ class Int4Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense from {self.dense_from_rows} rows" if self.dense is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{dense}"
+        q8 = f", 8-bit activations below {self.q8_below_rows} rows" if self.q8_below_rows else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                f"{q8}{dense}")
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
-                dense_from_rows: int = 0) -> torch.Tensor:
+                dense_from_rows: int = 0, q8: tuple[torch.Tensor, ...] | None = None,
+                q8_below_rows: int = 0) -> torch.Tensor:
     """x @ w.T (+ bias) for x [..., in] in the scales' dtype, w as `Int4Linear` stores it (or,
-    for `dense_from_rows` rows or more, its `dense` copy of the same numbers). The decoder's
+    for `dense_from_rows` rows or more, its `dense` copy of the same numbers; for fewer than
+    `q8_below_rows`, its `q8` copy through the 8-bit-activation kernel). The decoder's
     activations are already a contiguous [T, in]: they go to the kernel with no reshape or view
     around it (each is a dispatch, and a 1-row decode step runs 4 projections a layer)."""
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -133,6 +162,12 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
         return out if x.dim() == 2 else out.view(*x.shape[:-1], dense.shape[0])
     if not flat.is_contiguous():
         flat = flat.contiguous()
+    if q8 is not None and flat.shape[0] < q8_below_rows:
+        packed8, scales8, zeros8 = q8
+        if not packed8.is_contiguous():   # a fused projection's part, seen by model.generate
+            packed8, scales8, zeros8 = packed8.contiguous(), scales8.contiguous(), zeros8.contiguous()
+        out = q8_kernels.q4_linear(flat, packed8, scales8, zeros8, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], scales8.shape[0])
     if not scales_zeros.is_contiguous():
         # a fused projection's part, seen by model.generate: the kernel reads a strided view
         # wrongly (no error, wrong numbers), so it gets a copy
@@ -176,7 +211,22 @@ class Int8SplitLinear(torch.nn.Module):
         scales = torch.cat([db * 16, db], 1)
         zeros = torch.cat([torch.zeros_like(db), db * 8], 1)
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
-        return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros, in_features)
+        made = cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros, in_features)
+        if q8_kernels.fits(in_features) and db.dtype == torch.bfloat16:
+            made.q8_packed, made.q8_scales = q8_kernels.pack_q8(s.round().view(out_features, in_features)), db.contiguous()
+        return made
+
+    # the file's 8-bit values as they are (q8_kernels.py) and their scales [out, in / 32], for
+    # products of fewer than `q8_below_rows` rows (`with_q8`): plain attributes, kept or dropped
+    # by the calibration
+    q8_packed: torch.Tensor | None = None
+    q8_scales: torch.Tensor | None = None
+    q8_below_rows = 0
+
+    def with_q8(self, below_rows: int) -> None:
+        self.q8_below_rows = below_rows
+        if not below_rows:
+            self.q8_packed = self.q8_scales = None
 
     # a dense [out, in] weight for products of `dense_from_rows` rows or more (`with_dense`):
     # a plain attribute, not a buffer, since it is the tied embedding table's own tensor
@@ -187,6 +237,9 @@ class Int8SplitLinear(torch.nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
             out = F.linear(flat, self.dense)
+        elif self.q8_packed is not None and flat.shape[0] < self.q8_below_rows:
+            out = q8_kernels.q8_linear(flat if flat.is_contiguous() else flat.contiguous(), self.q8_packed,
+                                       self.q8_scales)
         else:
             out = int4_linear(torch.cat([flat, flat], -1), self.packed, self.scales_zeros)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
@@ -199,16 +252,19 @@ class Int8SplitLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense from {self.dense_from_rows} rows" if self.dense is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, 8-bit groups of {GROUP}{dense}"
+        q8 = f", 8-bit activations below {self.q8_below_rows} rows" if self.q8_below_rows else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, 8-bit groups of {GROUP}{q8}{dense}"
 
 
-def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0) -> None:
+def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0, q8_rows: int = 0) -> None:
     """In place: every linear projection of the decoder layers becomes an `Int4Linear`, quantized
     from the weights as loaded (load in float32: then a Q4 GGUF's own values are recovered);
     a Q8_0 LM head becomes an `Int8SplitLinear`; every other floating parameter (embeddings,
     norms, a dense LM head) is cast to `dtype`. Buffers are
     left alone: the rotary inverse frequencies stay in float32, as transformers keeps them when
-    it loads a model in bf16. Raises ValueError for a model whose shapes the kernel cannot hold."""
+    it loads a model in bf16. `q8_rows`: products of fewer rows run on the 8-bit-activation
+    kernels (q8_kernels.py) where they were built; -1 = timed here, 0 = never.
+    Raises ValueError for a model whose shapes the kernel cannot hold."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("4-bit weights are for CPU workers (the kernel used here is torch's CPU one)")
     targets = [(module, name, child) for layer in model.model.layers for module in layer.modules()
@@ -242,6 +298,16 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0) -
             param.data = param.data.to(dtype)
     if isinstance(model.lm_head, Int8SplitLinear) and head_rows > 0:
         model.lm_head.with_dense(model.get_input_embeddings().weight.detach(), head_rows)
+    # llama.cpp's arithmetic (8-bit activations) for the fewest rows, where it is faster here
+    split_head = model.lm_head if isinstance(model.lm_head, Int8SplitLinear) else None
+    if q8_rows < 0 and all(linear.q8 is not None for linear in quantized):
+        q8_rows, head_q8_rows = cpu_kernels.calibrate_q8(quantized, split_head, int4_linear, dtype)
+    else:
+        q8_rows = head_q8_rows = max(q8_rows, 0)
+    for linear in quantized:
+        linear.with_q8(q8_rows if linear.q8 is not None else 0)
+    if split_head is not None:
+        split_head.with_q8(head_q8_rows if split_head.q8_packed is not None else 0)
 
 
 def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -280,8 +346,12 @@ def kernel_path(model) -> str:
         return "dense"
     rows = linears[0].dense_from_rows if linears[0].dense is not None else 0
     parts = [f"4-bit projections below {rows} rows, dense from {rows}" if rows else "4-bit projections at every size"]
+    if linears[0].q8_below_rows:
+        parts[0] += f" (8-bit activations below {linears[0].q8_below_rows} rows)"
     head = getattr(model, "lm_head", None)
     if isinstance(head, Int8SplitLinear):
         parts.append(f"8-bit head below {head.dense_from_rows} rows, dense from {head.dense_from_rows}"
                      if head.dense is not None else "8-bit head at every size")
+        if head.q8_below_rows:
+            parts[-1] += f" (8-bit activations below {head.q8_below_rows} rows)"
     return "; ".join(parts)
