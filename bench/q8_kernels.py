@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--block", type=int, default=8, help="steps of one kernel before switching")
     ap.add_argument("--blocks", type=int, default=10, help="blocks per kernel")
+    ap.add_argument("--isa", default="best", choices=["best", "avx2"],
+                    help="avx2: the kernels' AVX2 path even on a VNNI CPU (what an AVX2-only CPU runs)")
     args = ap.parse_args()
 
     import torch
@@ -43,6 +45,9 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     # every count timed runs on 8-bit activations when asked: the copies are kept for all
     model, tok = load_model(Settings(model_path="", int4_q8_rows=max(rows_list) + 1))
+    from worker.engine import q8_kernels
+    if q8_kernels.load() is not None:
+        q8_kernels.load().set_instruction_set(args.isa)
     linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
     head = model.lm_head if isinstance(model.lm_head, Int8SplitLinear) else None
     if not linears or linears[0].q8 is None:
@@ -91,8 +96,9 @@ def main() -> None:
     print()
     print(table(results, ["threads", "rows", "torch_step_ms", "q8_step_ms", "q8_speedup", "torch_p95_ms", "q8_p95_ms"]))
     cpu = cpu_model()
-    print(f"CPU: {cpu}")
-    print(f"\nwrote {write_json('q8_kernels', {'cpu': cpu, 'args': vars(args), 'rows': results})}")
+    isa = q8_kernels.load().instruction_set()
+    print(f"CPU: {cpu}; 8-bit-activation path: {isa}")
+    print(f"\nwrote {write_json('q8_kernels', {'cpu': cpu, 'isa': isa, 'args': vars(args), 'rows': results})}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,29 @@ def test_the_kernels_compute_llama_cpps_arithmetic_on_the_same_weights(dtype, k)
         assert with_bias.dtype == dtype and with_bias.shape == (rows, 192)
 
 
+@pytest.mark.skipif("avx2" not in q8_kernels.cpu_flags(), reason="no AVX2")
+def test_the_avx2_path_computes_the_same():
+    """CPUs without AVX512-VNNI (AVX2 only) run the u8 x s8 products as vpmaddubsw + vpmaddwd
+    (the 8-bit weights as two nibbles, which cannot saturate 16 bits): forced here on this CPU."""
+    generator = torch.Generator().manual_seed(5)
+    q, scales, zeros, weight = q4_weights(128, 576, generator)
+    s, scales8, weight8 = q8_weights(64, 576, generator)
+    s[:, :32] = 127   # the largest products a pair of 16-bit lanes could hold
+    weight8 = (s.view(64, 18, 32).float() * scales8.float()[..., None]).view(64, 576)
+    x = torch.randn(5, 576, generator=generator)
+    x[:, :32] = x[:, :32].abs() + 1
+    module = q8_kernels.load()
+    try:
+        module.set_instruction_set("avx2")
+        assert module.instruction_set() == "avx2"
+        got4 = q8_kernels.q4_linear(x, q8_kernels.pack_q4(q), scales, zeros)
+        got8 = q8_kernels.q8_linear(x, q8_kernels.pack_q8(s), scales8)
+    finally:
+        module.set_instruction_set("best")
+    assert close(got4, q8_kernels.reference_linear(x, weight), 1e-4)
+    assert close(got8, q8_kernels.reference_linear(x, weight8), 1e-4)
+
+
 def test_a_row_gets_the_same_bits_in_any_batch_and_with_any_thread_count():
     """What makes the engine's batched steps equal generate's one row at a time: each output row
     from its own activation row only, rows split between threads whole."""

@@ -228,7 +228,10 @@ TARGET_AVX2 void rows_dot_avx2(const uint8_t* w, const int8_t* const* xq, const 
     for (int c = 0; c < C; ++c) dots[r * C + c] = hsum(acc[r][c]) + constant[r * C + c];
 }
 
+bool avx2_only = false;   // set_instruction_set("avx2"): the AVX2 path on a VNNI CPU (tests, benches)
+
 bool has_vnni() {
+  if (avx2_only) return false;
   static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
   return yes;
@@ -352,8 +355,14 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, con
 
 std::string instruction_set() { return has_vnni() ? "avx512-vnni" : has_avx2() ? "avx2" : "none"; }
 
+void set_instruction_set(const std::string& name) {
+  TORCH_CHECK(name == "avx2" || name == "best", "instruction set: avx2 or best");
+  avx2_only = name == "avx2";
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ w.T for 4-bit weights, activations rounded to 8 bits per group");
   m.def("q8_linear", &q8_linear, "x @ w.T for 8-bit weights, activations rounded to 8 bits per group");
   m.def("instruction_set", &instruction_set, "the integer dot product this CPU runs");
+  m.def("set_instruction_set", &set_instruction_set, "avx2: use the AVX2 path even where VNNI is there; best: undo");
 }
