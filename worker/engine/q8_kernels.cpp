@@ -312,6 +312,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "scales must be contiguous bf16");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), nb = K / GROUP;
   TORCH_CHECK(K % 64 == 0, "K must be a multiple of 64");
+  TORCH_CHECK(N % 64 == 0, "N must be a multiple of 64 (rows go to threads in blocks of 64)");
   TORCH_CHECK(packed.size(1) == K * BITS / 8, "packed does not match x's K");
   TORCH_CHECK(scales.size(0) == N && scales.size(1) == nb, "scales must be [N, K/32]");
   if (BITS == 4) {
