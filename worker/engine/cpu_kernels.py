@@ -46,18 +46,26 @@ def crossover(timings: dict[int, tuple[float, float]]) -> int:
     return from_rows
 
 
-def _best(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
-    """Milliseconds of `fn`, the best of `repeats` runs (after one untimed), `before` run untimed
-    ahead of each (e.g. to push the weights out of the cache)."""
-    times = []
+def _best_of(fns: list[Callable[[], object]], repeats: int,
+             before: Callable[[], object] | None = None) -> list[float]:
+    """Milliseconds of each of `fns`, the best of `repeats` runs (after one untimed), the
+    functions timed alternately (a VM's neighbours move a core's speed by tens of percent within
+    a second: alternation gives each the same luck), `before` run untimed ahead of each run (e.g.
+    to push the weights out of the cache)."""
+    times: list[list[float]] = [[] for _ in fns]
     for i in range(repeats + 1):
-        if before is not None:
-            before()
-        t = time.perf_counter()
-        fn()
-        if i:
-            times.append(time.perf_counter() - t)
-    return 1000 * min(times)
+        for fn, into in zip(fns, times):
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            fn()
+            if i:
+                into.append(time.perf_counter() - t)
+    return [1000 * min(each) for each in times]
+
+
+def _best(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    return _best_of([fn], repeats, before)[0]
 
 
 def calibrate_projections(linears: list, int4_linear: Callable, dtype: torch.dtype, repeats: int = 2,
@@ -117,22 +125,6 @@ def below(timings: dict[int, tuple[float, float]]) -> int:
     return below_rows
 
 
-def _best_pair(a: Callable[[], object], b: Callable[[], object], repeats: int,
-               before: Callable[[], object] | None = None) -> tuple[float, float]:
-    """The best milliseconds of `a` and of `b`, timed alternately (a VM's neighbours move a
-    core's speed by tens of percent within a second: alternation gives both the same luck)."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(repeats + 1):
-        for fn, into in ((a, times[0]), (b, times[1])):
-            if before is not None:
-                before()
-            t = time.perf_counter()
-            fn()
-            if i:
-                into.append(time.perf_counter() - t)
-    return 1000 * min(times[0]), 1000 * min(times[1])
-
-
 def calibrate_q8(linears: list, head, int4_linear: Callable, dtype: torch.dtype, repeats: int = 4,
                  row_counts: tuple[int, ...] = Q8_ROW_COUNTS) -> tuple[int, int]:
     """(projections, head): the row counts below which the 8-bit-activation kernels
@@ -149,12 +141,13 @@ def calibrate_q8(linears: list, head, int4_linear: Callable, dtype: torch.dtype,
             packed = lambda: [int4_linear(xs[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731
             q8 = lambda: [int4_linear(xs[q.in_features], q.packed, q.scales_zeros, q8=q.q8,  # noqa: E731
                                       q8_below_rows=rows + 1) for q in linears]
-            projections[rows] = _best_pair(packed, q8, repeats)
+            projections[rows] = tuple(_best_of([packed, q8], repeats))
             if head is not None and head.q8_packed is not None:
                 x = torch.randn(rows, head.in_features, generator=generator).to(dtype)
                 split = lambda: int4_linear(torch.cat([x, x], -1), head.packed, head.scales_zeros)  # noqa: E731
                 from worker.engine.q8_kernels import q8_linear
-                heads[rows] = _best_pair(split, lambda: q8_linear(x, head.q8_packed, head.q8_scales), repeats, evict)
+                q8_head = lambda: q8_linear(x, head.q8_packed, head.q8_scales)  # noqa: E731
+                heads[rows] = tuple(_best_of([split, q8_head], repeats, evict))
     chosen = below(projections), below(heads) if heads else 0
     log.info("CPU kernels: 8-bit activations (llama.cpp's arithmetic) %s for the projections, %s for the head "
              "(rows: torch 4-bit/8-bit-activation ms: projections %s; head %s)",

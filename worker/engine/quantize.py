@@ -213,7 +213,8 @@ class Int8SplitLinear(torch.nn.Module):
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
         made = cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros, in_features)
         if q8_kernels.fits(in_features) and db.dtype == torch.bfloat16:
-            made.q8_packed, made.q8_scales = q8_kernels.pack_q8(s.round().view(out_features, in_features)), db.contiguous()
+            made.q8_packed = q8_kernels.pack_q8(s.round().view(out_features, in_features))
+            made.q8_scales = db.contiguous()
         return made
 
     # the file's 8-bit values as they are (q8_kernels.py) and their scales [out, in / 32], for
