@@ -59,7 +59,7 @@ def test_the_kernels_compute_llama_cpps_arithmetic_on_the_same_weights(dtype, k)
         assert with_bias.dtype == dtype and with_bias.shape == (rows, 192)
 
 
-@pytest.mark.skipif("avx2" not in q8_kernels.cpu_flags(), reason="no AVX2")
+@pytest.mark.skipif("avx2" not in cpu_kernels.cpu_flags(), reason="no AVX2")
 def test_the_avx2_path_computes_the_same():
     """CPUs without AVX512-VNNI (AVX2 only) run the u8 x s8 products as vpmaddubsw + vpmaddwd
     (the 8-bit weights as two nibbles, which cannot saturate 16 bits): forced here on this CPU."""
@@ -179,3 +179,15 @@ def test_without_the_kernels_the_model_keeps_torchs(monkeypatch):
     quantize_int4(model, torch.bfloat16, dense_rows=0, q8_rows=-1)
     assert all(m.q8 is None and m.q8_below_rows == 0 for m in model.modules() if isinstance(m, Int4Linear))
     assert model.lm_head.q8_packed is None and "8-bit activations" not in quantize.kernel_path(model)
+
+
+def test_turned_off_the_kernels_are_neither_built_nor_copied(monkeypatch):
+    """INT4_Q8_ROWS=0: no copy of the weights in their layout is made, so a worker without a
+    compiler never tries to build them."""
+    def no_build():
+        raise AssertionError("the kernels were loaded with INT4_Q8_ROWS=0")
+    monkeypatch.setattr(q8_kernels, "load", no_build)
+    model = tied_model()
+    quantize_int4(model, torch.bfloat16, dense_rows=0, q8_rows=0)
+    assert all(m.q8 is None and m.q8_below_rows == 0 for m in model.modules() if isinstance(m, Int4Linear))
+    assert model.lm_head.q8_packed is None

@@ -125,10 +125,10 @@ def below(timings: dict[int, tuple[float, float]]) -> int:
     return below_rows
 
 
-def calibrate_q8(linears: list, head, int4_linear: Callable, dtype: torch.dtype, repeats: int = 4,
+def calibrate_q8(linears: list, head, int4_linear: Callable, q8_linear: Callable, dtype: torch.dtype, repeats: int = 4,
                  row_counts: tuple[int, ...] = Q8_ROW_COUNTS) -> tuple[int, int]:
     """(projections, head): the row counts below which the 8-bit-activation kernels
-    (q8_kernels.py) should run instead of torch's packed ones, each timed as the others (every
+    (`q8_linear` for the head, q8_kernels.py) should run instead of torch's packed ones, each timed as the others (every
     projection once per run; the head after such a pass). 0 where they do not win at 1 row."""
     generator = torch.Generator().manual_seed(2)
     projections: dict[int, tuple[float, float]] = {}
@@ -145,7 +145,6 @@ def calibrate_q8(linears: list, head, int4_linear: Callable, dtype: torch.dtype,
             if head is not None and head.q8_packed is not None:
                 x = torch.randn(rows, head.in_features, generator=generator).to(dtype)
                 split = lambda: int4_linear(torch.cat([x, x], -1), head.packed, head.scales_zeros)  # noqa: E731
-                from worker.engine.q8_kernels import q8_linear
                 q8_head = lambda: q8_linear(x, head.q8_packed, head.q8_scales)  # noqa: E731
                 heads[rows] = tuple(_best_of([split, q8_head], repeats, evict))
     chosen = below(projections), below(heads) if heads else 0
@@ -160,17 +159,28 @@ def _shown(timings: dict[int, tuple[float, float]]) -> str:
     return ", ".join(f"{rows}: {a:.2f}/{b:.2f}" for rows, (a, b) in timings.items())
 
 
-def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name and the flags that choose its kernels, for logs and bench rows."""
+def _cpuinfo(cpuinfo: str) -> tuple[str, set[str]]:
+    """The first model name and flags line of /proc/cpuinfo ("unknown CPU", {} where unread)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return "unknown CPU"
+        return "unknown CPU", set()
     name, flags = "unknown CPU", set()
     for line in text.splitlines():
         if line.startswith("model name") and name == "unknown CPU":
             name = line.split(":", 1)[1].strip()
         elif line.startswith("flags") and not flags:
             flags = set(line.split(":", 1)[1].split())
+    return name, flags
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (empty where they cannot be read)."""
+    return _cpuinfo(cpuinfo)[1]
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name and the flags that choose its kernels, for logs and bench rows."""
+    name, flags = _cpuinfo(cpuinfo)
     kinds = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
     return f"{name} [{' '.join(kinds) or 'no AVX2'}]"

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from worker.engine.cpu_kernels import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q8_kernels.cpp")
@@ -93,16 +95,6 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
 def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] (contiguous, bf16 or float32) @ w.T for 8-bit w = (u - 128) * scale."""
     return load().q8_linear(x, packed, scales)
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 # ---- the weights in the kernels' layouts -----------------------------------------------------

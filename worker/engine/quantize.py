@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +89,9 @@ class Int4Linear(torch.nn.Module):
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
 
     @classmethod
-    def quantize(cls, linear: torch.nn.Linear, dtype: torch.dtype = INT4_DTYPE) -> "Int4Linear":
-        """Min/max rounding per group of 32 (asymmetric, like llama.cpp's Q4_1)."""
+    def quantize(cls, linear: torch.nn.Linear, dtype: torch.dtype = INT4_DTYPE, q8: bool = True) -> "Int4Linear":
+        """Min/max rounding per group of 32 (asymmetric, like llama.cpp's Q4_1); `q8`: also keep
+        the weights in the 8-bit-activation kernel's layout where it runs (`with_q8`)."""
         out_features, in_features = linear.weight.shape
         if not packable(out_features, in_features):
             raise ValueError(f"4-bit weights need in_features % {GROUP} == 0 and out_features % {PACK_ROWS} "
@@ -107,7 +107,7 @@ class Int4Linear(torch.nn.Module):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
         made = cls(packed, scales_zeros, bias, in_features)
-        if q8_kernels.fits(in_features) and scales_zeros.dtype == torch.bfloat16:
+        if q8 and scales_zeros.dtype == torch.bfloat16 and q8_kernels.fits(in_features):
             # kept until the calibration says whether this CPU runs them faster (`with_q8`)
             made.q8_packed = q8_kernels.pack_q4(q)
             made.q8_scales = scales_zeros[..., 0].t().contiguous()
@@ -192,10 +192,12 @@ class Int8SplitLinear(torch.nn.Module):
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
 
     @classmethod
-    def from_q8_0(cls, weight: torch.Tensor, dtype: torch.dtype = INT4_DTYPE) -> "Int8SplitLinear | None":
+    def from_q8_0(cls, weight: torch.Tensor, dtype: torch.dtype = INT4_DTYPE,
+                  q8: bool = True) -> "Int8SplitLinear | None":
         """The layer for a float32 `weight` [out, in] that holds a Q8_0 tensor as loaded (every
         group of 32 is d * s with |s| <= 127 and its largest |s| = 127, as llama.cpp's quantizer
-        leaves it); None when it does not (then nothing the file had would be kept exactly)."""
+        leaves it); None when it does not (then nothing the file had would be kept exactly).
+        `q8`: also keep those values in the 8-bit-activation kernel's layout where it runs."""
         out_features, in_features = weight.shape
         if not packable(out_features, in_features) or weight.dtype != torch.float32:
             return None
@@ -212,7 +214,7 @@ class Int8SplitLinear(torch.nn.Module):
         zeros = torch.cat([torch.zeros_like(db), db * 8], 1)
         scales_zeros = torch.stack([scales.t(), zeros.t()], -1).contiguous()
         made = cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros, in_features)
-        if q8_kernels.fits(in_features) and db.dtype == torch.bfloat16:
+        if q8 and db.dtype == torch.bfloat16 and q8_kernels.fits(in_features):
             made.q8_packed = q8_kernels.pack_q8(s.round().view(out_features, in_features))
             made.q8_scales = db.contiguous()
         return made
@@ -270,7 +272,8 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0, q
         raise ValueError("4-bit weights are for CPU workers (the kernel used here is torch's CPU one)")
     targets = [(module, name, child) for layer in model.model.layers for module in layer.modules()
                for name, child in module.named_children() if type(child) is torch.nn.Linear]
-    quantized = [Int4Linear.quantize(child, dtype) for _, _, child in targets]   # all or nothing
+    # the 8-bit-activation copies only where they may be used (q8_rows 0: not even built)
+    quantized = [Int4Linear.quantize(child, dtype, q8=q8_rows != 0) for _, _, child in targets]   # all or nothing
     for (parent, name, _), linear in zip(targets, quantized):
         setattr(parent, name, linear)
     # dense copies for large products (prefill chunks, big batches): from a row count timed here
@@ -286,7 +289,7 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0, q
     head = getattr(model, "lm_head", None)
     if type(head) is torch.nn.Linear and head.bias is None:
         # a Q8_0 head (SmolLM2's tied embeddings) keeps its 8 bits; any other stays dense in `dtype`
-        split = Int8SplitLinear.from_q8_0(head.weight, dtype)
+        split = Int8SplitLinear.from_q8_0(head.weight, dtype, q8=q8_rows != 0)
         if split is not None:
             model.lm_head = split
             if head.weight is not model.get_input_embeddings().weight:
@@ -302,7 +305,8 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0, q
     # llama.cpp's arithmetic (8-bit activations) for the fewest rows, where it is faster here
     split_head = model.lm_head if isinstance(model.lm_head, Int8SplitLinear) else None
     if q8_rows < 0 and all(linear.q8 is not None for linear in quantized):
-        q8_rows, head_q8_rows = cpu_kernels.calibrate_q8(quantized, split_head, int4_linear, dtype)
+        q8_rows, head_q8_rows = cpu_kernels.calibrate_q8(quantized, split_head, int4_linear, q8_kernels.q8_linear,
+                                                         dtype)
     else:
         q8_rows = head_q8_rows = max(q8_rows, 0)
     for linear in quantized:
@@ -314,11 +318,7 @@ def quantize_int4(model, dtype: torch.dtype = INT4_DTYPE, dense_rows: int = 0, q
 def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16): there the 4-bit
     kernel's bf16 activations are fast. False where it cannot be told (no /proc/cpuinfo)."""
-    try:
-        words = set(Path(cpuinfo).read_text().split())
-    except OSError:
-        return False
-    return not words.isdisjoint(("avx512_bf16", "amx_bf16"))
+    return not cpu_kernels.cpu_flags(cpuinfo).isdisjoint(("avx512_bf16", "amx_bf16"))
 
 
 @functools.lru_cache(maxsize=8)
