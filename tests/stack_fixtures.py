@@ -61,13 +61,22 @@ class Proc:
             self.popen.send_signal(sig)
 
     def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after `grace`; a process that needed the SIGKILL is asked for its
+        threads' stacks first (SIGUSR1: python -m worker dumps them) and its log tail is printed,
+        so a failing test says where the stop hung."""
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(grace)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.send_signal(signal.SIGUSR1)
+                    self.popen.wait(1.0)
+                if self.popen.poll() is None:
+                    self.popen.kill()
+                    self.popen.wait()
+                print(f"\n{self.log_path.name}: no exit within {grace} s of SIGTERM, killed; its log ends:\n"
+                      f"{self.log()[-6000:]}")
         return self.popen.returncode
 
 

@@ -667,6 +667,35 @@ async def test_sigterm_hands_running_requests_back(redis_server, redis_client, s
             p.stop()
 
 
+async def test_an_entry_handed_to_a_worker_as_it_exits_is_claimable_at_once(redis_server, redis_client,
+                                                                            stream_prefix, tmp_path):
+    """A peer whose view of the registry is stale may hand a routed entry to a worker whose
+    control loop has already stopped (it never hears the `take`): at exit the worker makes what
+    is still pending under it claimable at once, instead of leaving it for CLAIM_IDLE_MS."""
+    keys = Keys(stream_prefix)
+    proc = start_synthetic_worker(redis_server.url, stream_prefix, tmp_path, name="w-exit",
+                                  env={"CLAIM_IDLE_MS": 60000})
+    try:
+        entry = RequestEntry(rid=new_rid(), params=SamplingParams(max_tokens=8), prompt=PROMPT,
+                             created_ms=int(time.time() * 1000))
+        # the stale peer reads the entry (in one transaction with its XADD: the worker's blocked
+        # read is served after it) and hands it over without a `take`
+        async with redis_client.pipeline(transaction=True) as pipe:
+            pipe.xadd(keys.requests, {ENTRY_FIELD: entry.encode()})
+            pipe.xreadgroup(CONSUMER_GROUP, "stale-peer", {keys.requests: ">"}, count=1)
+            _, read = await pipe.execute()
+        entry_id = read[0][1][0][0]
+        await redis_client.xclaim(keys.requests, CONSUMER_GROUP, "w-exit", 0, [entry_id], justid=True)
+        proc.signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        [pending] = await redis_client.xpending_range(keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id,
+                                                      count=1)
+        assert pending["consumer"] == b"w-exit" and pending["time_since_delivered"] >= 60000, pending
+        assert "1 entries still pending under us at exit" in proc.log()
+    finally:
+        proc.stop()
+
+
 async def test_redis_restart_mid_stream_loses_no_token(tiny_model_dir, tmp_path):
     server = LocalRedis(appendonly=True).start()
     client = aioredis.from_url(server.url)

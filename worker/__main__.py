@@ -48,6 +48,9 @@ def openmp_spin_defaults() -> None:
 
 
 def main() -> int:
+    # `kill -USR1 <pid>`: every thread's stack to the log, at any moment (a stop that hangs after
+    # the event loop ended has no asyncio handler left to ask)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     quiet_progress_bars()
     openmp_spin_defaults()
     settings = get_settings()

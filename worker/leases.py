@@ -27,7 +27,7 @@ from typing import Sequence
 from shared.aio import wait_event
 from shared.config import Settings
 from shared.logs import rid_of
-from shared.streams import CONSUMER_GROUP, Keys
+from shared.streams import CONSUMER_GROUP, Keys, as_str
 from worker.engine_client import Cancel, EngineClient
 from worker.events import InFlight
 from worker.inflight import InFlightTable, Stats
@@ -35,6 +35,8 @@ from worker.ownership import Ownership
 from worker.redis_io import Backoff, with_backoff
 
 log = logging.getLogger("worker.leases")
+
+PENDING_PAGE = 1000      # our pending entries read this many per call (pending_ids)
 
 
 class Leases:
@@ -49,6 +51,10 @@ class Leases:
         self.engine = engine
         self.stats = stats
         self._renew = asyncio.Event()    # a lease passed its deadline: renew now, not at the next interval
+        # keep-fresh's XCLAIM (idle time reset) and a hand back's (idle time far past claim_idle_ms)
+        # of the same entry must reach Redis in the order their decisions were made: a reset
+        # landing after a hand back would leave the entry unclaimable for claim_idle_ms
+        self._claiming = asyncio.Lock()
 
     # ---- keep-fresh -------------------------------------------------------------------------
 
@@ -95,14 +101,26 @@ class Leases:
             log.info("%d request(s) whose output was held for their lease: renewed, writing again", renewed)
         if any(st.lease_lapsed and not st.may_write(time.monotonic()) for st in kept):
             self._renew.set()            # renewed, but its reply came after the deadline: again
-        kept = [st for st in kept if self.table.holds(st)]   # not one handed over meanwhile
-        if kept:
-            # an entry another consumer claimed comes back to us (that worker found our lease
-            # alive and left the request to us); our own get their idle time reset
-            await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, 0,
-                                    [st.entry_id for st in kept], justid=True)
+        async with self._claiming:      # after a hand back that began, never before one that ended
+            kept = [st for st in kept if self.table.holds(st)]   # not one handed over meanwhile
+            if kept:
+                # an entry another consumer claimed comes back to us (that worker found our lease
+                # alive and left the request to us); our own get their idle time reset
+                await self.redis.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, 0,
+                                        [st.entry_id for st in kept], justid=True)
 
     # ---- giving entries back ----------------------------------------------------------------
+
+    async def pending_ids(self) -> list[str]:
+        """Every entry pending under us in the consumer group, page by page."""
+        ids, start = [], "-"
+        while True:
+            page = await self.redis.xpending_range(self.keys.requests, CONSUMER_GROUP, min=start, max="+",
+                                                   count=PENDING_PAGE, consumername=self.worker_id)
+            ids += [as_str(p["message_id"]) for p in page]
+            if len(page) < PENDING_PAGE:
+                return ids
+            start = "(" + ids[-1]
 
     async def hand_back(self, entry_ids: list[str], states: Sequence[InFlight] = ()) -> None:
         """Make entries we hold claimable by any other worker right away: XCLAIM them to
@@ -113,7 +131,7 @@ class Leases:
         async def op():
             if states:
                 await self.ownership.load()
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with self._claiming, self.redis.pipeline(transaction=False) as pipe:
                 pipe.xclaim(self.keys.requests, CONSUMER_GROUP, self.worker_id, 0, entry_ids, idle=idle_ms,
                             justid=True)
                 self.ownership.release_in(pipe, states)

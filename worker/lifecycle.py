@@ -22,9 +22,12 @@ from worker.inflight import InFlightTable, Stats
 from worker.intake import Intake
 from worker.leases import Leases
 from worker.output_writer import OutputWriter
-from worker.redis_io import Backoff, with_backoff
+from worker.intake.forwarding import VIEW_REFRESH_S
+from worker.redis_io import TRANSIENT, Backoff, with_backoff
 
 log = logging.getLogger("worker.lifecycle")
+
+VIEW_MARGIN_S = 0.2    # beyond a peer's view refresh interval: its round's own time
 
 
 class Lifecycle:
@@ -109,6 +112,7 @@ class Lifecycle:
     async def drain(self) -> None:
         """Graceful stop: finish what runs within the grace period, hand back the rest."""
         deadline = time.monotonic() + self.grace_s
+        announced = await self._announce_draining()
         while self.table.running_count() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         running = [st.rid for st in self.table.running()]
@@ -119,11 +123,45 @@ class Lifecycle:
         except (asyncio.TimeoutError, asyncio.CancelledError):
             log.warning("could not give back the entries we were waiting on (redis down)")
         await self._flush("write the last outputs")
+        await self._let_routing_views_catch_up(announced)
         try:
             await asyncio.wait_for(with_backoff(lambda: registry.deregister(self.redis, self.keys, self.worker_id),
                                                 "deregister"), 5)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             log.warning("could not deregister (redis down); the registry entry expires by itself")
+
+    async def _announce_draining(self) -> float:
+        """Beat now with state "draining" (no free slots), not at the next interval: peers stop
+        handing routed entries to us from their next view of the registry. When it was sent."""
+        sent = time.monotonic()
+        try:
+            await asyncio.wait_for(self.heartbeat_once(), 2)
+        except (asyncio.TimeoutError, *TRANSIENT):
+            log.warning("could not announce the drain (redis down); peers see it at the next beat")
+        return sent
+
+    async def _let_routing_views_catch_up(self, announced: float) -> None:
+        """Stay (our control loop handing back whatever is forwarded to us) until every peer's
+        routing view, read every VIEW_REFRESH_S, shows us draining: an entry a peer forwards to
+        a worker that has exited waits claim_idle_ms. Only where there are peers, and only the
+        part of that window the drain has not already taken."""
+        if any(w != self.worker_id for w in self.intake.forwarding.view):
+            left = announced + VIEW_REFRESH_S + VIEW_MARGIN_S - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+
+    async def release_leftovers(self) -> None:
+        """The last step of a stop, once keep-fresh and the control loop have ended (nothing of
+        ours claims an entry back any more): what is still pending under us (handed to us after
+        our control loop stopped, or whose idle time a keep-fresh round reset while it crossed
+        a hand back) becomes claimable by others at once, instead of after claim_idle_ms."""
+        try:
+            left = await asyncio.wait_for(self.leases.pending_ids(), 5)
+        except (asyncio.TimeoutError, *TRANSIENT):
+            return
+        if left:
+            log.warning("%d entries still pending under us at exit: handing them back", len(left))
+            await self.leases.hand_back(left)
 
     async def _flush(self, what: str) -> None:
         try:

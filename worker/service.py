@@ -146,6 +146,8 @@ class WorkerService:
             await self.lifecycle.drain()
         finally:
             await asyncio.gather(*(cancel_and_wait(task) for task in feeders + tasks))
+            if self.lifecycle.stopping():
+                await self.lifecycle.release_leftovers()
             self.engine.stop()
             self.metrics.close()
             await self.redis.aclose()
