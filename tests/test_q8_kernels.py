@@ -165,6 +165,25 @@ def test_the_threshold_is_timed_at_start_and_logged(caplog):
     assert all((m.q8 is None) == (m.q8_below_rows == 0) for m in model.modules() if isinstance(m, Int4Linear))
 
 
+def test_the_threshold_is_timed_on_the_products_a_step_runs():
+    """The timing sees the decoder's fused products (q/k/v, o, gate/up, down: four a layer), not
+    seven smaller ones: each joined copy multiplies exactly as its parts side by side."""
+    model = tied_model()
+    quantize_int4(model, torch.bfloat16, dense_rows=0, q8_rows=3)
+    quantized = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    run = quantize.as_run(model, quantized)
+    assert len(run) == 4 * len(model.model.layers) and len(quantized) == 7 * len(model.model.layers)
+    layer = model.model.layers[0]
+    x = torch.randn(2, layer.self_attn.q_proj.in_features).bfloat16()
+    parts = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    for linear in (run[0], *parts):
+        linear.q8_below_rows = 2
+    with torch.inference_mode():
+        for rows in (1, 2):          # the 8-bit-activation kernel, then torch's
+            assert torch.equal(run[0](x[:rows]), torch.cat([p(x[:rows]) for p in parts], -1))
+    assert run[1] is layer.self_attn.o_proj
+
+
 def test_the_threshold_is_the_last_row_count_of_an_unbroken_win():
     assert cpu_kernels.below({1: (10.0, 6.0), 2: (12.0, 9.0), 3: (14.0, 13.5), 4: (16.0, 10.0)}) == 3
     assert cpu_kernels.below({1: (10.0, 9.5)}) == 0          # not by 10 %: off

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from worker.engine import attention
 from worker.engine.model_support import SUPPORTED_FAMILIES, UnsupportedModel
-from worker.engine.quantize import Int4Linear, Int8SplitLinear, int4_linear
+from worker.engine.quantize import Int4Linear, Int8SplitLinear, fused_groups, int4_linear, join_rows
 
 
 _LINEAR_ROW_AXES = (("weight", 0), ("bias", 0))
@@ -52,24 +52,19 @@ def _fuse(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | None, ...]:
     axes = getattr(linears[0], "ROW_AXES", _LINEAR_ROW_AXES)
     if len(linears) == 1:   # nothing to join: the linear's own tensors
         return tuple(getattr(linears[0], name) for name, _ in axes)
-    fused = []
-    for name, axis in axes:
-        parts = [getattr(lin, name) for lin in linears]
-        if all(p is None for p in parts):
-            fused.append(None)
+    fused = join_rows(linears, axes)
+    for (name, axis), whole in zip(axes, fused):
+        if whole is None:
             continue
-        if any(p is None for p in parts):
-            raise ValueError(f"mixed projections with and without a {name} cannot be fused")
-        whole = torch.cat([p.detach() for p in parts], axis)
         start = 0
-        for lin, part in zip(linears, parts):
+        for lin in linears:
+            part = getattr(lin, name)
             view = whole.narrow(axis, start, part.shape[axis])
             if isinstance(lin, Int4Linear):
                 setattr(lin, name, view)   # a buffer
             else:
                 setattr(lin, name, torch.nn.Parameter(view, requires_grad=False))
             start += part.shape[axis]
-        fused.append(whole)
     return tuple(fused)
 
 
@@ -154,7 +149,7 @@ class _Layer:
         self.index = attn.layer_idx
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
-        self.qkv = projection([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv, self.o_proj, self.gate_up, self.down = (projection(group) for group in fused_groups(layer))
         self.qk_v = [self.heads + self.kv_heads, self.kv_heads]   # head counts: split points of qkv
         self.q_k = [self.heads, self.kv_heads]
         self.head_dim = attn.head_dim
@@ -167,13 +162,10 @@ class _Layer:
             self.q_norm, self.k_norm = _norm_fn(attn.q_norm, head_samples), _norm_fn(attn.k_norm, head_samples)
         # Qwen2/Qwen3 set it per layer (None on full-attention layers); Mistral reads its config
         self.window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
-        self.o_proj = projection([attn.o_proj])
-        self.gate_up = projection([mlp.gate_proj, mlp.up_proj])
         self.inter = mlp.gate_proj.out_features
         with torch.inference_mode():
             same = all(torch.equal(F.silu(x), mlp.act_fn(x)) for x in samples)
             self.act = F.silu if same else mlp.act_fn
-        self.down = projection([mlp.down_proj])
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                  meta: attention.StepMeta) -> torch.Tensor:
