@@ -288,7 +288,9 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
     assert native_bf16_cpu(str(tmp_path / "missing")) is False
 
 
-def test_auto_runs_a_q4_1_gguf_in_4_bits_only_on_a_cpu_with_native_bf16(tmp_path, monkeypatch):
+def test_auto_runs_a_q4_1_gguf_in_4_bits_on_native_bf16_or_on_the_8_bit_activation_kernels(tmp_path, monkeypatch):
+    """A CPU without bf16 (AVX2 only) runs 4 bits where the 8-bit-activation kernels run: its
+    decode step then reads 4-bit weights, not float32's."""
     model = write_gguf(tmp_path / "m.gguf", {f"blk.0.{name}.weight": ((128, 64), Q4_1)
                                              for name in quantize.GGUF_PROJECTIONS})
     monkeypatch.setattr(quantize, "native_bf16_cpu", lambda: True)
@@ -304,6 +306,11 @@ def test_auto_runs_a_q4_1_gguf_in_4_bits_only_on_a_cpu_with_native_bf16(tmp_path
         assert settings_quantization(settings, device) == "none", (settings, device)
     assert settings_dtype(Settings(model_path=model, dtype="float32"), "cpu") == torch.float32
     monkeypatch.setattr(quantize, "native_bf16_cpu", lambda: False)
+    monkeypatch.setattr(q8_kernels, "load", lambda: object())          # they run here
+    assert settings_quantization(auto, "cpu") == "int4" and settings_dtype(auto, "cpu") == torch.bfloat16
+    no_q8 = Settings(model_path=model, dtype="auto", quantization="auto", int4_q8_rows=0)
+    assert settings_quantization(no_q8, "cpu") == "none"               # turned off: float32
+    monkeypatch.setattr(q8_kernels, "load", lambda: None)              # not buildable or no AVX2
     assert settings_quantization(auto, "cpu") == "none" and settings_dtype(auto, "cpu") == torch.float32
     assert settings_quantization(Settings(model_path=model, quantization="int4"), "cpu") == "int4"
 
