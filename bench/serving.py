@@ -16,7 +16,9 @@ request has a prompt of --prompt-tokens tokens (distinct text each, so no target
 from a prefix cache: the same cache policy for all) and --output-tokens output tokens (EOS
 ignored). Reported per row: output tokens/s (all output tokens / wall time of the profile), TTFT
 p50/p95, ITL p50/p95 (per request: (last token - first token) / (tokens - 1), guidellm's
-definition), and the stack's ratios to the engine alone in the same run.
+definition), the stack's ratios to the engine alone in the same run, and the cores each side
+used over the row (`client_cores`: the load generator, this process or guidellm, which shares
+the box; `stack_cores`: Redis, gateway, worker and engine process).
 
 The stack is started here as scripts/serve.sh runs it (scripts/stack.py: a local Redis, one
 gateway, one worker, SmolLM2 on CPU, the embedded defaults), unless --url names a running one.
@@ -234,6 +236,33 @@ def _ok(url: str) -> bool:
         return False
 
 
+def stack_cpu_s(proc: subprocess.Popen | None) -> float:
+    """CPU seconds so far of the stack's live processes (scripts/stack.py and everything under
+    it: Redis, gateway, worker, engine process)."""
+    if proc is None:
+        return 0.0
+    import psutil
+    total = 0.0
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return total
+
+
+def client_cpu_s() -> float:
+    """CPU seconds so far of this process and its finished children (guidellm's runs; the stack's
+    processes count only once they have exited, after the last row)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def stop_stack(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGINT)
     try:
@@ -285,7 +314,7 @@ def main() -> None:
             count = args.requests or (6 if streams == 1 else 4 * streams)
             for target in targets:       # interleaved: the box's noise falls on every target alike
                 seed = run_seed + p_i * 10 + len(rows)
-                t0 = time.perf_counter()
+                t0, stack0, client0 = time.perf_counter(), stack_cpu_s(stack), client_cpu_s()
                 if target == "engine":
                     texts = prompt_texts(engine.tok, count, args.prompt_tokens, seed)
                     row = summarize("engine", profile, engine.run(texts, streams, args.output_tokens))
@@ -299,7 +328,11 @@ def main() -> None:
                     row = {"target": target, "profile": profile,
                            **guidellm_run(url, profile, count, args.prompt_tokens, args.output_tokens,
                                           str(tok_dir), work, seed=run_seed + len(rows))}
-                row["wall_s"] = round(time.perf_counter() - t0, 1)
+                wall = time.perf_counter() - t0
+                row["wall_s"] = round(wall, 1)
+                # where the 2 cores went: the load generator (this process, guidellm) and the stack
+                row["client_cores"] = round((client_cpu_s() - client0) / wall, 2)
+                row["stack_cores"] = round((stack_cpu_s(stack) - stack0) / wall, 2)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
@@ -321,7 +354,8 @@ def main() -> None:
     print(f"CPU: {cpu}, {os.cpu_count()} cores; engine torch threads: {threads}; kernels: {kernels}; "
           f"worker env: {worker_env or 'defaults'}")
     print(table(rows, ["target", "profile", "requests", "errors", "out_tok_s", "x_engine_tok_s", "x_llamacpp_tok_s",
-                       "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "wall_s"]))
+                       "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "wall_s", "client_cores",
+                       "stack_cores"]))
     path = write_json(args.name, {"cpu": cpu, "engine_threads": threads, "kernels": kernels, "worker_env": worker_env, "seed": run_seed,
                                   "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                                   "rows": rows})
