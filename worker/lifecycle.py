@@ -20,9 +20,9 @@ from worker import registry
 from worker.engine_client import Cancel, EngineClient
 from worker.inflight import InFlightTable, Stats
 from worker.intake import Intake
+from worker.intake.forwarding import VIEW_REFRESH_S
 from worker.leases import Leases
 from worker.output_writer import OutputWriter
-from worker.intake.forwarding import VIEW_REFRESH_S
 from worker.redis_io import TRANSIENT, Backoff, with_backoff
 
 log = logging.getLogger("worker.lifecycle")
