@@ -145,7 +145,7 @@ class Lifecycle:
         routing view, read every VIEW_REFRESH_S, shows us draining: an entry a peer forwards to
         a worker that has exited waits claim_idle_ms. Only where there are peers, and only the
         part of that window the drain has not already taken."""
-        if any(w != self.worker_id for w in self.intake.forwarding.view):
+        if self.intake.knows_peers():
             left = announced + VIEW_REFRESH_S + VIEW_MARGIN_S - time.monotonic()
             if left > 0:
                 await asyncio.sleep(left)

@@ -59,8 +59,7 @@ class Intake:
         self.table = table
         self.stop = stop
         self.leases = leases
-        self.contests = Contests(redis=redis, keys=keys, worker_id=worker_id, ownership=ownership, leases=leases,
-                                 table=table, stats=stats)
+        self.contests = Contests(ownership=ownership, leases=leases, stats=stats)
         self.forwarding = Forwarding(redis=redis, keys=keys, settings=settings, worker_id=worker_id, stats=stats,
                                      stop=stop)
         dead_letters = DeadLetters(worker_id=worker_id, table=table, writer=writer, contests=self.contests,
@@ -145,6 +144,10 @@ class Intake:
         for c in self.contests.due():
             await self.acceptor.accept(c.entry_id, c.fields, c.deliveries)
             self.placement.watch({c.entry_id}, {c.entry_id: c.deliveries})
+
+    def knows_peers(self) -> bool:
+        """Whether the last routing view holds another live worker (one that may forward to us)."""
+        return any(w != self.forwarding.worker_id for w in self.forwarding.view)
 
     async def release_contested(self) -> None:
         """Forget the contested entries (we stop, or cannot run them); see Contests.release."""

@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 
 from shared.logs import rid_of
-from shared.streams import CONSUMER_GROUP, Keys, as_str
-from worker.inflight import InFlightTable, Stats
+from worker.inflight import Stats
 from worker.leases import Leases
 from worker.ownership import Finished, Held, Ownership, Taken
 from worker.redis_io import with_backoff
@@ -38,14 +37,9 @@ class Contest:
 
 
 class Contests:
-    def __init__(self, *, redis, keys: Keys, worker_id: str, ownership: Ownership, leases: Leases,
-                 table: InFlightTable, stats: Stats):
-        self.redis = redis
-        self.keys = keys
-        self.worker_id = worker_id
+    def __init__(self, *, ownership: Ownership, leases: Leases, stats: Stats):
         self.ownership = ownership
         self.leases = leases
-        self.table = table
         self.stats = stats
         self._contested: dict[str, Contest] = {}   # entry id -> a request another worker holds
 
@@ -113,9 +107,7 @@ class Contests:
         contested, self._contested = list(self._contested), {}
         if not contested:
             return
-        mine = await with_backoff(lambda: self.redis.xpending_range(
-            self.keys.requests, CONSUMER_GROUP, min="-", max="+", count=len(self.table) + len(contested) + 100,
-            consumername=self.worker_id), "read pending")
-        held = [i for i in contested if i in {as_str(p["message_id"]) for p in mine}]
+        mine = set(await with_backoff(self.leases.pending_ids, "read pending"))
+        held = [i for i in contested if i in mine]
         if held:
             await self.leases.hand_back(held)
