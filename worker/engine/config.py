@@ -94,6 +94,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     cuda_graphs: bool = True      # CUDA: replay decode-only steps as captured graphs
+    row_kernels: bool = True      # CPU: norms and decode attention through worker.engine.row_kernels
     kv_memory_fraction: float = 0.85   # CUDA, kv_cache_tokens = 0: share of free GPU memory the pool may take
     prefix_caching: bool = True   # reuse the KV blocks of earlier requests' identical context prefixes
     shared_prefixes: tuple[str, ...] = ()   # prompt openings every cache scope shares (worker.engine.shared_prefix)
@@ -127,6 +128,7 @@ class EngineConfig:
             device=device,
             dtype=settings_dtype(settings, device),
             cuda_graphs=settings.cuda_graphs,
+            row_kernels=settings.cpu_row_kernels,
             kv_memory_fraction=settings.kv_memory_fraction,
             prefix_caching=settings.prefix_caching,
             shared_prefixes=tuple(settings.cache_shared_prefixes),

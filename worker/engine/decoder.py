@@ -37,7 +37,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from worker.engine import attention
+from worker.engine import attention, row_kernels
 from worker.engine.model_support import SUPPORTED_FAMILIES, UnsupportedModel
 from worker.engine.quantize import Int4Linear, Int8SplitLinear, fused_groups, int4_linear, join_rows
 
@@ -119,14 +119,15 @@ def _samples(width: int, like: torch.Tensor, seed: int) -> list[torch.Tensor]:
 
 
 def _norm_fn(module, samples: list[torch.Tensor]):
-    """The cheapest callable that equals `module(x)` bit for bit on every sample: torch's own
+    """The module itself where it is the row kernel's (one call: row_kernels.install). Else the
+    cheapest callable that equals `module(x)` bit for bit on every sample: torch's own
     `rms_norm` (one operation; equal on CPU in fp32, not in bf16 with trained weights), else its
     unweighted form on the float32 statistics with the weight applied after the cast back, as
     LlamaRMSNorm does in bf16 (4 operations instead of 8: a bf16 decode step runs two norms a
     layer), else `rms_norm` above, else the module itself."""
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
-    if eps is None or weight is None:
+    if eps is None or weight is None or isinstance(module, row_kernels.RowRMSNorm):   # already one call
         return module
     shape = (weight.shape[-1],)
     dtype = samples[0].dtype
@@ -163,6 +164,8 @@ class _Layer:
         # Qwen2/Qwen3 set it per layer (None on full-attention layers); Mistral reads its config
         self.window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
         self.inter = mlp.gate_proj.out_features
+        self.gate_up_sizes = [self.inter, self.inter]
+        self.rope_store = None   # set by Decoder where row_kernels' rope_store gives `rotate`'s bits
         with torch.inference_mode():
             same = all(torch.equal(F.silu(x), mlp.act_fn(x)) for x in samples)
             self.act = F.silu if same else mlp.act_fn
@@ -172,15 +175,21 @@ class _Layer:
         tokens = h.shape[0]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(self.input_norm(h))                                      # [T, (H + 2 KVH) D]
-        qk, v = qkv.view(tokens, heads + 2 * kv_heads, d).split(self.qk_v, dim=1)
-        if self.q_norm is None:   # rotate q and k in one pass: they are adjacent heads of qkv
-            q, k = rotate(qk, cos, signed_sin).split(self.q_k, dim=1)
+        if self.rope_store is not None and meta.block_tables is None:   # CPU: q out, k and v into the pool
+            cache = meta.cache
+            q = self.rope_store(qkv, cos, signed_sin, meta.write_rows, cache.keys[self.index],
+                                cache.values[self.index], heads, kv_heads)
+            k = v = None
         else:
-            q, k = qk.split(self.q_k, dim=1)
-            q, k = rotate(self.q_norm(q), cos, signed_sin), rotate(self.k_norm(k), cos, signed_sin)
+            qk, v = torch.split_with_sizes(qkv.view(tokens, heads + 2 * kv_heads, d), self.qk_v, dim=1)
+            if self.q_norm is None:   # rotate q and k in one pass: they are adjacent heads of qkv
+                q, k = torch.split_with_sizes(rotate(qk, cos, signed_sin), self.q_k, dim=1)
+            else:
+                q, k = torch.split_with_sizes(qk, self.q_k, dim=1)
+                q, k = rotate(self.q_norm(q), cos, signed_sin), rotate(self.k_norm(k), cos, signed_sin)
         out = attention.attend(meta, self.index, q, k, v, self.scaling, self.window)  # [T, H, D]
         h = h + self.o_proj(out.reshape(tokens, heads * d))
-        gate, up = self.gate_up(self.post_norm(h)).split(self.inter, dim=-1)
+        gate, up = torch.split_with_sizes(self.gate_up(self.post_norm(h)), self.gate_up_sizes, dim=-1)
         return h + self.down(self.act(gate) * up)
 
 
@@ -194,6 +203,23 @@ def _check_rope(rope, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim
         ours = rotate(q[0].transpose(0, 1), cos[0, :, None], fold_sign(sin)[0, :, None]).transpose(0, 1)[None]
     if not torch.equal(expected, ours):
         raise UnsupportedModel("the model's rotary embedding is not the rotate-half RoPE the engine computes")
+
+
+def _rope_store_exact(layer: _Layer, cos_table: torch.Tensor, signed_sin_table: torch.Tensor) -> bool:
+    """row_kernels' rope_store gives what `rotate` and the pool writes give, bit for bit, on samples."""
+    heads, kv_heads, d = layer.heads, layer.kv_heads, layer.head_dim
+    generator = torch.Generator().manual_seed(2)
+    tokens = 7
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=generator) * 3).to(cos_table.dtype)
+    positions = torch.randint(0, cos_table.shape[0], (tokens,), generator=generator)
+    cos, sin = cos_table.index_select(0, positions), signed_sin_table.index_select(0, positions)
+    rows = torch.randperm(2 * tokens, generator=generator)[:tokens]
+    keys, values = (torch.zeros(2 * tokens, kv_heads, d, dtype=qkv.dtype) for _ in range(2))
+    with torch.inference_mode():
+        q = row_kernels.load().rope_store(qkv, cos, sin, rows, keys, values, heads, kv_heads)
+        qk, v = qkv.view(tokens, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=1)
+        want_q, want_k = rotate(qk, cos, sin).split([heads, kv_heads], dim=1)
+    return torch.equal(q, want_q) and torch.equal(keys[rows], want_k) and torch.equal(values[rows], v)
 
 
 class Decoder:
@@ -230,6 +256,10 @@ class Decoder:
                 raise UnsupportedModel("the model's rotary embedding depends on more than the position")
         _check_rope(sys.modules[type(first.attn).__module__].apply_rotary_pos_emb, cos[:, :5], sin[:, :5],
                     first.heads, first.head_dim)
+        if row_kernels.installed(model) and first.q_norm is None and first.head_dim % 16 == 0 \
+                and _rope_store_exact(first, self.cos_table, self.signed_sin_table):
+            for layer in self.layers:
+                layer.rope_store = row_kernels.load().rope_store
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None,
                  meta: attention.StepMeta) -> torch.Tensor:

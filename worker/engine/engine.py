@@ -35,7 +35,7 @@ import torch
 from shared.errors import ErrorCode
 from shared.protocol import MAX_TOP_LOGPROBS
 from shared.sampling import invalid_control
-from worker.engine import attention
+from worker.engine import attention, row_kernels
 from worker.engine.block_pool import prefix_root
 from worker.engine.config import EngineConfig
 from worker.engine.detokenize import IncrementalDetokenizer
@@ -104,6 +104,8 @@ class Engine:
         # (stop ids read at the first compile, from the runner's eos_ids)
         self.grammars = Grammars(tokenizer, self._logits_width, lambda: self.eos_ids, config.max_batch, self.device,
                                  config.grammar)
+        if config.row_kernels and self.device.type == "cpu":
+            row_kernels.install(model)   # before the decoder loop picks its norms
         self.runner = ModelRunner(model, self.cache, groups=text_config.num_attention_heads // kv_heads,
                                   max_batch=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
                                   max_positions=config.max_seq_len, device=self.device,

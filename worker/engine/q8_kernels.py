@@ -11,10 +11,9 @@ Rounding the activations to 8 bits is what llama.cpp does for the same Q4_1/Q8_0
 `q8_1` activations), so this is its arithmetic, not a new approximation of ours; the weights are
 exactly the numbers the other kernels multiply by.
 
-The extension is compiled from source on first use with torch's own toolchain helper (a C++
-compiler and ninja; `python -m worker.engine.q8_kernels` builds it ahead, as scripts/setup.sh
-and the worker image do) and cached by its source's hash. Where it cannot be built or the CPU
-lacks AVX2, `load()` says why once and returns None, and the model keeps torch's kernels.
+The extension is compiled from source on first use and cached by its source's hash
+(worker.engine.native). Where it cannot be built or the CPU lacks AVX2, `load()` returns None
+and the model keeps torch's kernels.
 Whether it runs at all is measured, not assumed: cpu_kernels.py times it against the others.
 """
 
@@ -22,62 +21,23 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-from pathlib import Path
 
 import torch
 
-from worker.engine.cpu_kernels import cpu_flags
+from worker.engine import native
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("q8_kernels.cpp")
 NAME = "llm_stream_q8_kernels"
-CFLAGS = ["-O3", "-fopenmp"]   # OpenMP: at::parallel_for splits rows over torch's threads (its libgomp)
-
-
-def build_directory() -> Path:
-    """Where this source's build lives: `Q8_KERNELS_DIR` (default: torch's extensions directory,
-    `TORCH_EXTENSIONS_DIR` or ~/.cache/torch_extensions), in a folder named by a hash of the
-    source, the flags and the torch and Python versions, so a changed kernel is rebuilt and a
-    built one is imported as it is (no compiler, no lock file: a read-only image works)."""
-    import hashlib
-    import sys
-    configured = os.environ.get("Q8_KERNELS_DIR")
-    if configured:
-        base = Path(configured)
-    else:
-        from torch.utils.cpp_extension import get_default_build_root
-        base = Path(get_default_build_root())
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, torch.__version__, sys.version_info[:2])).encode())
-    return base / f"{NAME}-{key.hexdigest()[:12]}"
 
 
 @functools.lru_cache(maxsize=1)
 def load():
     """The compiled extension (`q4_linear`, `q8_linear`, `instruction_set`), or None where it
-    cannot run here (logged once with the reason)."""
-    flags = cpu_flags()
-    if not {"avx2", "fma"} <= flags:
-        log.info("8-bit activation kernels: off (this CPU has no AVX2+FMA)")
-        return None
-    directory = build_directory()
-    try:
-        from torch.utils import cpp_extension
-        built = directory / f"{NAME}.so"
-        if built.exists():
-            module = cpp_extension._import_module_from_library(NAME, str(directory), True)
-        else:
-            directory.mkdir(parents=True, exist_ok=True)
-            log.info("8-bit activation kernels: compiling %s into %s (once, ~1 min)", SOURCE.name, directory)
-            module = cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
-    except Exception as error:  # no compiler, no ninja, a read-only cache: torch's kernels run instead
-        text = str(error).strip()
-        log.warning("8-bit activation kernels: off (could not build %s in %s: %s)", SOURCE.name, directory,
-                    text.splitlines()[-1] if text else type(error).__name__)
-        return None
-    log.info("8-bit activation kernels: %s (%s)", module.instruction_set(), directory)
+    cannot run here (worker.engine.native says why, once)."""
+    module = native.load(NAME)
+    if module is not None:
+        log.info("8-bit activation kernels: %s (%s)", module.instruction_set(), native.build_directory(NAME))
     return module
 
 
@@ -121,8 +81,3 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     q = torch.where(d > 0, torch.round(groups * torch.where(d > 0, 1 / d, torch.zeros_like(d))),
                     torch.zeros_like(groups)).clamp(-127, 127)
     return ((q * d).view(m, k).to(torch.float64) @ weight.to(torch.float64).t()).to(x.dtype)
-
-
-if __name__ == "__main__":   # build ahead of the first worker start
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if load() is not None else 1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.engine import paged_attention
+from worker.engine import paged_attention, row_kernels
 from worker.engine.attention import DecodeSegment, PrefillChunk, StepMeta, decode_segments
 from worker.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from worker.engine.decoder import Decoder
@@ -45,6 +45,7 @@ class ModelRunner:
                  max_positions: int, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = True,
                  grammars: Grammars | None = None, threads: StepThreads | None = None):
         self.decoder = Decoder(model, max_positions)
+        self.row_attention = device.type == "cpu" and row_kernels.installed_attention(model)
         self.threads = threads if threads is not None and threads.active else None   # CPU: by the step's size
         self.cache = cache
         self.groups = groups
@@ -235,12 +236,23 @@ class ModelRunner:
                         table_rows=self._dev[TABLE_ROWS, :rows], token_lengths=self._dev[LENGTHS, :rows])
 
     def _decode_layout(self, meta: StepMeta, plan: StepPlan) -> None:
-        """Decode rows in plan order (shortest context first), cut into segments; each segment's
-        rows get a block table padded to its longest row (padding blocks are masked out)."""
+        """Decode rows in plan order (shortest context first). For the row kernel, one block
+        table of every row (padded to the longest; each row reads only its own length); else cut
+        into segments, each segment's rows with a table padded to its longest row (padding
+        blocks are masked out)."""
         bs = self.cache.block_size
         decode = plan.decode
         lengths = [seq.computed + 1 for seq in decode]
         meta.decode_lengths = long_tensor(lengths, self.device)
+        if self.row_attention:
+            n = blocks_for(lengths[-1] if len(lengths) == 1 else max(lengths), bs)
+            table: list[int] = []
+            for seq in decode:
+                own = seq.blocks[:n]
+                table.extend(own)
+                table.extend([own[0]] * (n - len(own)))
+            meta.decode_table = long_tensor(table, self.device).view(len(decode), n)
+            return
         for start, end, longest in decode_segments(lengths):
             n = blocks_for(longest, bs)
             table: list[int] = []
