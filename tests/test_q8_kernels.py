@@ -62,14 +62,18 @@ def test_the_kernels_compute_llama_cpps_arithmetic_on_the_same_weights(dtype, k)
 @pytest.mark.skipif("avx2" not in cpu_kernels.cpu_flags(), reason="no AVX2")
 def test_the_avx2_path_computes_the_same():
     """CPUs without AVX512-VNNI (AVX2 only) run the u8 x s8 products as vpmaddubsw + vpmaddwd
-    (the 8-bit weights as two nibbles, which cannot saturate 16 bits): forced here on this CPU."""
+    (the 8-bit weights as |s| times x with s's sign, llama.cpp's way, which cannot saturate 16
+    bits): forced here on this CPU."""
     generator = torch.Generator().manual_seed(5)
     q, scales, zeros, weight = q4_weights(128, 576, generator)
     s, scales8, weight8 = q8_weights(64, 576, generator)
     s[:, :32] = 127   # the largest products a pair of 16-bit lanes could hold
+    s[:, 32:64] = -127
+    s[:3, 64:96] = -128   # not in a file llama.cpp writes, but a Q8_0 block can hold it
     weight8 = (s.view(64, 18, 32).float() * scales8.float()[..., None]).view(64, 576)
     x = torch.randn(5, 576, generator=generator)
     x[:, :32] = x[:, :32].abs() + 1
+    x[:, 32:96] = -(x[:, 32:96].abs() + 1)
     module = q8_kernels.load()
     try:
         module.set_instruction_set("avx2")

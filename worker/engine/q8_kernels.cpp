@@ -115,7 +115,7 @@ TARGET_AVX2 inline __m256 bf16x8(const uint16_t* p) {
 // The per-group scales of C weight rows times R activation rows' (scale[(r*C + c)*nb + b]), and
 // each pair's constant part: a group's offset (4-bit: w = (q - 8) d + z adds (z - 8 d) gx;
 // 8-bit: w = (u - 128) d adds -128 d gx) is a dot product over groups.
-template <int BITS, int R, int C>
+template <int BITS, int R, int C, bool OFFSET = true>
 TARGET_AVX2 void group_scales(const uint16_t* d, const uint16_t* z, const float* const* dx, const float* const* gx,
                               int64_t nb, float* scale, float* constant) {
   for (int c = 0; c < C; ++c) {
@@ -142,7 +142,7 @@ TARGET_AVX2 void group_scales(const uint16_t* d, const uint16_t* z, const float*
         scale[(r * C + c) * nb + b] = db * dx[r][b];
       }
     }
-    for (int r = 0; r < R; ++r) constant[r * C + c] = hsum(off[r]) + tail[r];
+    for (int r = 0; r < R; ++r) constant[r * C + c] = OFFSET ? hsum(off[r]) + tail[r] : 0.f;
   }
 }
 
@@ -184,13 +184,15 @@ TARGET_VNNI void rows_dot_vnni(const uint8_t* w, const int8_t* const* xq, const 
 }
 
 // The same with AVX2 (no VNNI): u8 x s8 pairs to 16 bits, then pairs of those to 32 bits. 4-bit
-// values cannot saturate the 16 bits (2 * 15 * 127); 8-bit ones could, so they go as two nibbles.
+// values cannot saturate the 16 bits (2 * 15 * 127). 8-bit ones as stored (u = s + 128) could,
+// so they go as llama.cpp's AVX2 q8_0 product does: s = u - 128, then |s| (unsigned) times x
+// with s's sign (2 * 128 * 127 fits), which is the product with s itself: no offset to add back
+// (`group_scales<8, ..., false>`).
 template <int BITS>
-TARGET_AVX2 inline __m256i dot_u8s8(__m256i w, __m256i x, __m256i low, __m256i ones) {
+TARGET_AVX2 inline __m256i dot_u8s8(__m256i w, __m256i x, __m256i ones) {
   if (BITS == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), x), ones);
-  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, low), x), ones);
-  return _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo);
+  const __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(x, s)), ones);
 }
 
 template <int BITS, int R, int C>
@@ -217,9 +219,9 @@ TARGET_AVX2 void rows_dot_avx2(const uint8_t* w, const int8_t* const* xq, const 
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64 + 32));
         const float* sp = scale + (r * C + c) * nb + 2 * p;
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8<BITS>(w0, x0, low, ones)),
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8<BITS>(w0, x0, ones)),
                                     _mm256_broadcast_ss(sp), acc[r][c]);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8<BITS>(w1, x1, low, ones)),
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8<BITS>(w1, x1, ones)),
                                     _mm256_broadcast_ss(sp + 1), acc[r][c]);
       }
     }
@@ -253,7 +255,8 @@ void rows_tile(int64_t begin, int64_t end, const uint8_t* w, const uint16_t* d, 
   scale.resize(R * C * nb);
   float constant[R * C], dots[R * C];
   for (int64_t n = begin; n < end; n += C) {
-    group_scales<BITS, R, C>(d + n * nb, z ? z + n * nb : nullptr, dx, gx, nb, scale.data(), constant);
+    // the AVX2 8-bit product is with s itself (dot_u8s8): no 128 offset to take back
+    group_scales<BITS, R, C, BITS == 4 || VNNI>(d + n * nb, z ? z + n * nb : nullptr, dx, gx, nb, scale.data(), constant);
     if (VNNI) {
       rows_dot_vnni<BITS, R, C>(w + n * row_bytes, xq, scale.data(), constant, K, dots);
     } else {
