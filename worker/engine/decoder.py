@@ -37,7 +37,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from worker.engine import attention, row_kernels
+from worker.engine import attention, q8_kernels, row_kernels
 from worker.engine.model_support import SUPPORTED_FAMILIES, UnsupportedModel
 from worker.engine.quantize import Int4Linear, Int8SplitLinear, fused_groups, int4_linear, join_rows
 
@@ -83,7 +83,13 @@ def projection(linears: list[torch.nn.Module]):
         packed, scales_zeros, bias, dense, q8_packed, q8_scales, q8_zeros = tensors
         from_rows, q8_below_rows = linears[0].dense_from_rows, linears[0].q8_below_rows
         q8 = None if q8_packed is None else (q8_packed, q8_scales, q8_zeros)
-        return lambda x: int4_linear(x, packed, scales_zeros, bias, dense, from_rows, q8, q8_below_rows)
+        general = lambda x: int4_linear(x, packed, scales_zeros, bias, dense, from_rows, q8, q8_below_rows)  # noqa: E731
+        if q8 is None or q8_below_rows <= 1:
+            return general
+        # a decode step's few rows straight to the 8-bit-activation kernel (the fused tensors are
+        # contiguous, and so are the decoder's activations): 4 products a layer, each a dispatch
+        q4_linear = q8_kernels.load().q4_linear
+        return lambda x: q4_linear(x, q8_packed, q8_scales, q8_zeros, bias) if x.shape[0] < q8_below_rows else general(x)
     weight, bias = tensors
     return lambda x: F.linear(x, weight, bias)
 
@@ -125,9 +131,12 @@ def _norm_fn(module, samples: list[torch.Tensor]):
     unweighted form on the float32 statistics with the weight applied after the cast back, as
     LlamaRMSNorm does in bf16 (4 operations instead of 8: a bf16 decode step runs two norms a
     layer), else `rms_norm` above, else the module itself."""
+    if isinstance(module, row_kernels.RowRMSNorm):   # the kernel, called directly (Qwen3's per-head q/k are views)
+        rms, weight, eps = row_kernels.load().rms_norm, module.weight, module.variance_epsilon
+        return lambda x: rms(x if x.is_contiguous() else x.contiguous(), weight, eps)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
-    if eps is None or weight is None or isinstance(module, row_kernels.RowRMSNorm):   # already one call
+    if eps is None or weight is None:
         return module
     shape = (weight.shape[-1],)
     dtype = samples[0].dtype
