@@ -165,7 +165,7 @@ def test_the_threshold_is_timed_at_start_and_logged(caplog):
     line = next(r.getMessage() for r in caplog.records if "8-bit activations" in r.getMessage())
     assert "projections 1: " in line and "head 1: " in line, line
     below = {m.q8_below_rows for m in model.modules() if isinstance(m, Int4Linear)}
-    assert len(below) == 1 and below.pop() in (0, *(n + 1 for n in cpu_kernels.Q8_ROW_COUNTS))
+    assert len(below) == 1 and below.pop() in (0, cpu_kernels.EVERY_SIZE, *(n + 1 for n in cpu_kernels.Q8_ROW_COUNTS))
     assert all((m.q8 is None) == (m.q8_below_rows == 0) for m in model.modules() if isinstance(m, Int4Linear))
 
 
@@ -192,6 +192,9 @@ def test_the_threshold_is_the_last_row_count_of_an_unbroken_win():
     assert cpu_kernels.below({1: (10.0, 6.0), 2: (12.0, 9.0), 3: (14.0, 13.5), 4: (16.0, 10.0)}) == 3
     assert cpu_kernels.below({1: (10.0, 9.5)}) == 0          # not by 10 %: off
     assert cpu_kernels.below({1: (10.0, 5.0), 8: (20.0, 10.0)}) == 9
+    # winning at every count up to the largest the calibration times: at every size (a prefill chunk too)
+    assert cpu_kernels.below({1: (10.0, 5.0), 64: (300.0, 200.0)}, every_from=64) == cpu_kernels.EVERY_SIZE
+    assert cpu_kernels.below({1: (10.0, 5.0), 64: (300.0, 290.0)}, every_from=64) == 2
 
 
 def test_without_the_kernels_the_model_keeps_torchs(monkeypatch):

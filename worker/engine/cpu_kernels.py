@@ -110,18 +110,29 @@ def calibrate_head(head, dense_weight: torch.Tensor, linears: list, int4_linear:
     return chosen
 
 
-Q8_ROW_COUNTS = (1, 2, 3, 4, 8)   # decode rows: where the 8-bit-activation kernel may win
+# decode rows .. a batch: where the 8-bit-activation kernel may win (on an AVX2-only CPU, whose
+# torch kernels widen every weight to float, it still wins at 64); timed up to the first loss
+Q8_ROW_COUNTS = (1, 2, 3, 4, 8, 16, 32, 64)
 
 
-def below(timings: dict[int, tuple[float, float]]) -> int:
+EVERY_SIZE = 1 << 30   # a `q8_below_rows` that no product reaches
+
+
+def below(timings: dict[int, tuple[float, float]], every_from: int | None = None) -> int:
     """From {rows: (torch's packed ms, 8-bit-activation ms)}: 1 + the largest row count up to
-    which the 8-bit-activation kernel wins (by WIN) at every count timed; 0 if not at 1 row."""
+    which the 8-bit-activation kernel wins (by WIN) at every count timed; 0 if not at 1 row;
+    EVERY_SIZE where it wins at every count up to `every_from` rows or more (past a few dozen
+    rows both kernels are bound by arithmetic, their times growing with the rows alike, so a
+    prefill chunk of 256 keeps the ratio timed at 64: not timed, as it would add seconds to
+    every start)."""
     below_rows = 0
     for rows in sorted(timings):
         packed_ms, q8_ms = timings[rows]
         if q8_ms > WIN * packed_ms:
-            break
+            return below_rows
         below_rows = rows + 1
+    if every_from is not None and timings and max(timings) >= every_from:
+        return EVERY_SIZE
     return below_rows
 
 
@@ -135,24 +146,33 @@ def calibrate_q8(linears: list, head, int4_linear: Callable, q8_linear: Callable
     heads: dict[int, tuple[float, float]] = {}
     one = {n: torch.randn(1, n, generator=generator).to(dtype) for n in {q.in_features for q in linears}}
     evict = lambda: [int4_linear(one[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731
+    lost = lambda timings: any(q8_ms > WIN * packed_ms for packed_ms, q8_ms in timings.values())  # noqa: E731
     with torch.inference_mode():
         for rows in row_counts:
+            heads_timed = head is not None and head.q8_packed is not None and not lost(heads)
+            if lost(projections) and not heads_timed:
+                break   # `below` reads no count past a loss
             xs = {n: torch.randn(rows, n, generator=generator).to(dtype) for n in {q.in_features for q in linears}}
             packed = lambda: [int4_linear(xs[q.in_features], q.packed, q.scales_zeros) for q in linears]  # noqa: E731
             q8 = lambda: [int4_linear(xs[q.in_features], q.packed, q.scales_zeros, q8=q.q8,  # noqa: E731
                                       q8_below_rows=rows + 1) for q in linears]
-            projections[rows] = tuple(_best_of([packed, q8], repeats))
-            if head is not None and head.q8_packed is not None:
+            if not lost(projections):
+                projections[rows] = tuple(_best_of([packed, q8], repeats))
+            if heads_timed:
                 x = torch.randn(rows, head.in_features, generator=generator).to(dtype)
                 split = lambda: int4_linear(torch.cat([x, x], -1), head.packed, head.scales_zeros)  # noqa: E731
                 q8_head = lambda: q8_linear(x, head.q8_packed, head.q8_scales)  # noqa: E731
                 heads[rows] = tuple(_best_of([split, q8_head], repeats, evict))
-    chosen = below(projections), below(heads) if heads else 0
+    chosen = below(projections, row_counts[-1]), below(heads, row_counts[-1]) if heads else 0
     log.info("CPU kernels: 8-bit activations (llama.cpp's arithmetic) %s for the projections, %s for the head "
              "(rows: torch 4-bit/8-bit-activation ms: projections %s; head %s)",
-             f"below {chosen[0]} rows" if chosen[0] else "off", f"below {chosen[1]} rows" if chosen[1] else "off",
-             _shown(projections), _shown(heads) or "-")
+             rows_shown(chosen[0]), rows_shown(chosen[1]), _shown(projections), _shown(heads) or "-")
     return chosen
+
+
+def rows_shown(below_rows: int) -> str:
+    """"below N rows", "at every size" or "off", for logs."""
+    return "at every size" if below_rows >= EVERY_SIZE else f"below {below_rows} rows" if below_rows else "off"
 
 
 def _shown(timings: dict[int, tuple[float, float]]) -> str:

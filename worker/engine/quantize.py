@@ -179,7 +179,7 @@ class Int4Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense from {self.dense_from_rows} rows" if self.dense is not None else ""
-        q8 = f", 8-bit activations below {self.q8_below_rows} rows" if self.q8_below_rows else ""
+        q8 = f", 8-bit activations {cpu_kernels.rows_shown(self.q8_below_rows)}" if self.q8_below_rows else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
                 f"{q8}{dense}")
 
@@ -292,7 +292,7 @@ class Int8SplitLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         dense = f", dense from {self.dense_from_rows} rows" if self.dense is not None else ""
-        q8 = f", 8-bit activations below {self.q8_below_rows} rows" if self.q8_below_rows else ""
+        q8 = f", 8-bit activations {cpu_kernels.rows_shown(self.q8_below_rows)}" if self.q8_below_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, 8-bit groups of {GROUP}{q8}{dense}"
 
 
@@ -400,11 +400,11 @@ def kernel_path(model) -> str:
     rows = linears[0].dense_from_rows if linears[0].dense is not None else 0
     parts = [f"4-bit projections below {rows} rows, dense from {rows}" if rows else "4-bit projections at every size"]
     if linears[0].q8_below_rows:
-        parts[0] += f" (8-bit activations below {linears[0].q8_below_rows} rows)"
+        parts[0] += f" (8-bit activations {cpu_kernels.rows_shown(linears[0].q8_below_rows)})"
     head = getattr(model, "lm_head", None)
     if isinstance(head, Int8SplitLinear):
         parts.append(f"8-bit head below {head.dense_from_rows} rows, dense from {head.dense_from_rows}"
                      if head.dense is not None else "8-bit head at every size")
         if head.q8_below_rows:
-            parts[-1] += f" (8-bit activations below {head.q8_below_rows} rows)"
+            parts[-1] += f" (8-bit activations {cpu_kernels.rows_shown(head.q8_below_rows)})"
     return "; ".join(parts)
