@@ -17,6 +17,10 @@ instead of 8; a dispatch-bound step takes about half the time):
                 x = rms(h); g, u = split(x @ Wgate_up); h = h + down(silu(g) * u)
     logits = lm_head(rms(h)[rows to keep])
 
+On a CPU the row kernels (`row_kernels.py`) replace the norms, RoPE with the KV writes, and the
+decode rows' attention by one C++ call each; `install` puts the same kernels into the model, so
+what follows still holds.
+
 Exactness: every function here runs the same operations in the same order as the model's own
 module (`rms_norm` is LlamaRMSNorm's forward without its no-op dtype casts, or torch's one-op
 `F.rms_norm` where that gives the same bits, or in bf16 `F.rms_norm` of the float32 input with
@@ -125,8 +129,8 @@ def _samples(width: int, like: torch.Tensor, seed: int) -> list[torch.Tensor]:
 
 
 def _norm_fn(module, samples: list[torch.Tensor]):
-    """The module itself where it is the row kernel's (one call: row_kernels.install). Else the
-    cheapest callable that equals `module(x)` bit for bit on every sample: torch's own
+    """Where the module is the row kernel's (row_kernels.install: `generate` runs it too), the
+    kernel called directly, one call. Else the cheapest callable that equals `module(x)` bit for bit on every sample: torch's own
     `rms_norm` (one operation; equal on CPU in fp32, not in bf16 with trained weights), else its
     unweighted form on the float32 statistics with the weight applied after the cast back, as
     LlamaRMSNorm does in bf16 (4 operations instead of 8: a bf16 decode step runs two norms a
