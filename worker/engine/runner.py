@@ -245,19 +245,21 @@ class ModelRunner:
         lengths = [seq.computed + 1 for seq in decode]
         meta.decode_lengths = long_tensor(lengths, self.device)
         if self.row_attention:
-            n = blocks_for(lengths[-1] if len(lengths) == 1 else max(lengths), bs)
-            table: list[int] = []
-            for seq in decode:
-                own = seq.blocks[:n]
-                table.extend(own)
-                table.extend([own[0]] * (n - len(own)))
-            meta.decode_table = long_tensor(table, self.device).view(len(decode), n)
+            n = blocks_for(max(lengths), bs)
+            meta.decode_table = long_tensor(_padded_tables(decode, n), self.device).view(len(decode), n)
             return
         for start, end, longest in decode_segments(lengths):
             n = blocks_for(longest, bs)
-            table: list[int] = []
-            for seq in decode[start:end]:
-                own = seq.blocks[:n]
-                table.extend(own)
-                table.extend([own[0]] * (n - len(own)))
+            table = _padded_tables(decode[start:end], n)
             meta.segments.append(DecodeSegment(start, end, long_tensor(table, self.device), n * bs))
+
+
+def _padded_tables(decode: list[Sequence], n: int) -> list[int]:
+    """Each row's first `n` blocks, row after row, a shorter row padded with its own first block
+    (positions past the row's length are masked out or not read, so any block of its own will do)."""
+    table: list[int] = []
+    for seq in decode:
+        own = seq.blocks[:n]
+        table.extend(own)
+        table.extend([own[0]] * (n - len(own)))
+    return table
