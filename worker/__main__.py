@@ -87,5 +87,17 @@ def main() -> int:
     return 1 if service.fatal else 0
 
 
+def leave(code: int) -> None:
+    """Exit without the interpreter's teardown once the service has stopped cleanly: the drain
+    is done, the engine stopped, every request acked or handed back, so nothing is left that a
+    finalizer must do. The teardown's last garbage collection could hang with the engine's
+    thread and native (torch/OpenMP) objects alive (seen as a worker stuck in `Garbage-collecting`
+    after logging its stop), turning a graceful SIGTERM into a SIGKILL."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
