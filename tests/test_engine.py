@@ -6,6 +6,8 @@ repeated token: equivalence with `model.generate` then really exercises the cach
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -445,6 +447,10 @@ def test_a_failing_forward_pass_fails_its_requests_and_keeps_the_engine(model, t
     from worker.engine import attention
     with monkeypatch.context() as patch:
         patch.setattr(attention, "attend", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("oom")))
+        decoder = getattr(engine.runner, "decoder", None)
+        if getattr(decoder, "decode_layers", None) is not None:   # a CPU step of decode rows: one call, no `attend`
+            patch.setattr(decoder, "decode_layers", types.SimpleNamespace(
+                forward=lambda *a: (_ for _ in ()).throw(RuntimeError("oom"))))
         outs = engine.step()
     assert sorted((o.rid, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
     assert not engine.has_work and engine.cache.num_free == engine.cache.num_blocks and engine.kv_tokens_used == 0

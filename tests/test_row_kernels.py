@@ -145,7 +145,9 @@ def test_the_engine_installs_them_and_still_equals_generate(monkeypatch):
     assert row_kernels.installed(model) and row_kernels.installed_attention(model)
     assert all(isinstance(layer.input_layernorm, row_kernels.RowRMSNorm) for layer in model.model.layers)
     assert engine.runner.decoder.layers[0].rope_store is not None
-    assert engine_calls
+    # decode rows went through the kernel: from the layer loop (steps with prompt rows), or in
+    # the whole-stack call (decode_layers.cpp calls it directly)
+    assert engine_calls or engine.runner.decoder.decode_layers is not None
     after = [reference(model, p, 12) for p in PROMPTS]   # the kernels' norms and decode attention
     assert generate_calls and all(generate_calls)
     assert [outs[f"r{i}"] for i in range(len(PROMPTS))] == after == before
@@ -164,3 +166,50 @@ def test_switched_off_or_unfit_they_leave_the_model_as_it_is():
     assert row_kernels.installed(wide) and not row_kernels.installed_attention(wide)
     assert not engine.runner.row_attention
     assert [outs["r0"], outs["r1"]] == [reference(wide, p, 8) for p in PROMPTS[:2]]
+
+
+def test_a_step_of_decode_rows_is_one_call_through_every_layer(monkeypatch):
+    """On 4-bit projections with 8-bit activations, a step of decode rows runs every layer as
+    one call (decode_layers.cpp), bit for bit what the layer loop gives; steps with prompt rows
+    keep the loop; the tokens are generate's."""
+    from tests.test_q8_kernels import tied_model
+    from worker.engine import decoder as decoder_module
+    from worker.engine.quantize import quantize_int4
+    model = tied_model()
+    quantize_int4(model, torch.bfloat16, dense_rows=0, q8_rows=1 << 20)
+    refs = [reference(model, p, 12) for p in PROMPTS]
+    model.generation_config.eos_token_id = None
+    calls = []
+
+    class Checked:
+        """The extension's DecodeLayers, each call checked against the layer loop on the same
+        inputs (the loop writes the same keys and values to the same pool rows again)."""
+
+        def __init__(self, stack):
+            self.stack, self.meta = stack, None
+
+        def forward(self, h, cos, sin, *rest):
+            out = self.stack.forward(h, cos, sin, *rest)
+            loop = h
+            for layer in decoder.layers:
+                loop = layer(loop, cos, sin, self.meta)
+            assert torch.equal(out, loop)
+            calls.append(h.shape[0])
+            return out
+
+    real_hidden = decoder_module.Decoder.hidden
+    decoder = None
+
+    def hidden(self, ids, positions, meta):
+        nonlocal decoder
+        if self.decode_layers is not None and not isinstance(self.decode_layers, Checked):
+            decoder, self.decode_layers = self, Checked(self.decode_layers)
+        if isinstance(self.decode_layers, Checked):
+            self.decode_layers.meta = meta
+        return real_hidden(self, ids, positions, meta)
+
+    monkeypatch.setattr(decoder_module.Decoder, "hidden", hidden)
+    outs, engine = engine_tokens(model, PROMPTS, 12, max_batch=2, dtype=torch.bfloat16)
+    assert isinstance(engine.runner.decoder.decode_layers, Checked)
+    assert 1 in calls and 2 in calls and set(calls) == {1, 2}
+    assert [outs[f"r{i}"] for i in range(len(PROMPTS))] == refs

@@ -88,14 +88,20 @@ def projection(linears: list[torch.nn.Module]):
         from_rows, q8_below_rows = linears[0].dense_from_rows, linears[0].q8_below_rows
         q8 = None if q8_packed is None else (q8_packed, q8_scales, q8_zeros)
         general = lambda x: int4_linear(x, packed, scales_zeros, bias, dense, from_rows, q8, q8_below_rows)  # noqa: E731
+        # what the whole-stack call (decode_layers.cpp) needs to run it as int4_linear does
+        general.parts = (dense, from_rows, packed, scales_zeros, *(q8 or (None,) * 3), q8_below_rows, bias)
         if q8 is None or q8_below_rows <= 1:
             return general
         # a decode step's few rows straight to the 8-bit-activation kernel (the fused tensors are
         # contiguous, and so are the decoder's activations): 4 products a layer, each a dispatch
         q4_linear = q8_kernels.load().q4_linear
-        return lambda x: q4_linear(x, q8_packed, q8_scales, q8_zeros, bias) if x.shape[0] < q8_below_rows else general(x)
+        call = lambda x: q4_linear(x, q8_packed, q8_scales, q8_zeros, bias) if x.shape[0] < q8_below_rows else general(x)  # noqa: E731
+        call.parts = (dense, from_rows, packed, scales_zeros, q8_packed, q8_scales, q8_zeros, q8_below_rows, bias)
+        return call
     weight, bias = tensors
-    return lambda x: F.linear(x, weight, bias)
+    call = lambda x: F.linear(x, weight, bias)  # noqa: E731
+    call.parts = (weight, 0, None, None, None, None, None, 0, bias)
+    return call
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,6 +174,7 @@ class _Layer:
         self.q_k = [self.heads, self.kv_heads]
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
+        self.norm_modules = (layer.input_layernorm, layer.post_attention_layernorm)
         self.input_norm = _norm_fn(layer.input_layernorm, samples)
         self.post_norm = _norm_fn(layer.post_attention_layernorm, samples)
         self.q_norm = self.k_norm = None
@@ -235,6 +242,29 @@ def _rope_store_exact(layer: _Layer, cos_table: torch.Tensor, signed_sin_table: 
     return torch.equal(q, want_q) and torch.equal(keys[rows], want_k) and torch.equal(values[rows], v)
 
 
+def decode_layers(layers: list[_Layer], model):
+    """The extension's `DecodeLayers` over these layers (a step of decode rows through every
+    layer in one call: decode_layers.cpp) and the layers' attention window; (None, None) where a
+    layer is not on the path that call repeats: the row kernels' norms, RoPE and attention, SiLU
+    (F.silu's bits), one window for all layers."""
+    if not layers or not row_kernels.installed_attention(model) or len({layer.window for layer in layers}) != 1:
+        return None, None
+    projections = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
+    fits = all(layer.rope_store is not None and layer.act is F.silu
+               and all(isinstance(norm, row_kernels.RowRMSNorm) for norm in layer.norm_modules)
+               and all(hasattr(p, "parts") for p in group) for layer, group in zip(layers, projections))
+    kernels = row_kernels.load()
+    if not fits or kernels is None or not hasattr(kernels, "DecodeLayers"):
+        return None, None
+    stack = kernels.DecodeLayers()
+    for layer, (qkv, o_proj, gate_up, down) in zip(layers, projections):
+        first, second = layer.norm_modules
+        stack.add_layer(first.weight, first.variance_epsilon, second.weight, second.variance_epsilon,
+                        qkv.parts, o_proj.parts, gate_up.parts, down.parts, layer.heads, layer.kv_heads,
+                        layer.head_dim, layer.inter, layer.scaling)
+    return stack, layers[0].window
+
+
 class Decoder:
     """Callable like the engine's old `model(...)` call, returning logits [kept rows, vocab].
 
@@ -273,6 +303,7 @@ class Decoder:
                 and _rope_store_exact(first, self.cos_table, self.signed_sin_table):
             for layer in self.layers:
                 layer.rope_store = row_kernels.load().rope_store
+        self.decode_layers, self.window = decode_layers(self.layers, model)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None,
                  meta: attention.StepMeta) -> torch.Tensor:
@@ -286,6 +317,13 @@ class Decoder:
         h = self.embed(ids)                                    # [T, hidden]
         cos = self.cos_table.index_select(0, positions)        # [T, 1, D]: broadcast over heads
         signed_sin = self.signed_sin_table.index_select(0, positions)
+        tokens = ids.shape[0]
+        if self.decode_layers is not None and meta.num_decode == tokens and meta.decode_table is not None \
+                and meta.block_tables is None:
+            cache = meta.cache
+            return self.decode_layers.forward(h, cos, signed_sin, meta.write_rows, cache.keys, cache.values,
+                                              meta.decode_table, meta.decode_starts(self.window),
+                                              meta.decode_lengths, cache.block_size)
         for layer in self.layers:
             h = layer(h, cos, signed_sin, meta)
         return h

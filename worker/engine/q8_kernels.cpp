@@ -16,7 +16,7 @@
 // So a 512-bit dot product of a pair has its first group in 32-bit lanes 0..7, its second in 8..15.
 // Each output row is computed from its own activation row alone (batch-invariant), and rows are
 // split between threads whole, so the result does not depend on the thread count either.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -348,6 +348,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 
 }  // namespace
 
+namespace llm_stream {   // kernels.h; bound in kernels_module.cpp
+
 torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                         const torch::Tensor& zeros, const c10::optional<torch::Tensor>& bias) {
   return linear<4>(x, packed, scales, zeros, bias);
@@ -364,9 +366,4 @@ void set_instruction_set(const std::string& name) {
   avx2_only = name == "avx2";
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &q4_linear, "x @ w.T for 4-bit weights, activations rounded to 8 bits per group");
-  m.def("q8_linear", &q8_linear, "x @ w.T for 8-bit weights, activations rounded to 8 bits per group");
-  m.def("instruction_set", &instruction_set, "the integer dot product this CPU runs");
-  m.def("set_instruction_set", &set_instruction_set, "avx2: use the AVX2 path even where VNNI is there; best: undo");
-}
+}  // namespace llm_stream

@@ -28,7 +28,7 @@ from worker.engine import native
 
 log = logging.getLogger(__name__)
 
-NAME = "llm_stream_q8_kernels"
+NAME = "llm_stream_cpu_kernels"   # one extension with the row kernels (native.py)
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@
 // query heads sharing it (grouped-query attention) are done together so each key is loaded once.
 // Scores are kept in a per-thread buffer, then softmax (max, exp, sum) and the weighted sum of
 // values, all in float32; bf16 inputs are widened on load, the output rounded once at the end.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -387,8 +387,22 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "LlamaRMSNorm of each row of x, in one pass");
-  m.def("rope_store", &rope_store, "q and k rotated, the new k and v written to their pool rows; returns q");
-  m.def("decode_attention", &decode_attention, "one query token a row against its paged keys/values, read in place");
+namespace llm_stream {   // kernels.h; bound in kernels_module.cpp
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
 }
+
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const torch::Tensor& rows, const torch::Tensor& keys, const torch::Tensor& values,
+                         int64_t heads, int64_t kv_heads) {
+  return ::rope_store(qkv, cos, sin, rows, keys, values, heads, kv_heads);
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                               const torch::Tensor& table, const torch::Tensor& starts, const torch::Tensor& ends,
+                               int64_t block_size, double scale) {
+  return ::decode_attention(q, keys, values, table, starts, ends, block_size, scale);
+}
+
+}  // namespace llm_stream

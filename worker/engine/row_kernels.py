@@ -28,7 +28,7 @@ from worker.engine import native
 
 log = logging.getLogger(__name__)
 
-NAME = "llm_stream_row_kernels"
+NAME = "llm_stream_cpu_kernels"   # one extension with the 8-bit kernels (native.py)
 MARK = "_row_attention"   # set on a model's attention modules by `install`
 
 
