@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from shared.config import Settings
 from shared.sampling import SamplingParams
 from worker.engine import Engine, EngineConfig, EngineRequest
+from worker.engine import row_kernels as row_kernels_module
 from worker.engine.threads import SPIN_ENV, StepThreads, default_torch_threads, usable_cores, wide_torch_threads
 
 
@@ -49,20 +51,25 @@ def test_wide_threads_only_under_the_default_policy_on_cpu(monkeypatch):
     assert wide_torch_threads(Settings(torch_threads=0)) == 0          # one core: nothing to widen to
 
 
-def test_a_step_runs_with_the_threads_its_size_asks_for_and_the_same_tokens(model, tokenizer):
+@pytest.mark.parametrize("row_kernels", [False, True])
+def test_a_step_runs_with_the_threads_its_size_asks_for_and_the_same_tokens(model, tokenizer, row_kernels):
+    """A prefill chunk takes every core; a decode row takes all but one in the layer loop, and
+    every core where the step runs every layer in one call (decode_layers.cpp); the tokens are
+    the same as with one thread throughout."""
     before = torch.get_num_threads()
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, bool, int]] = []
 
     class Recording(StepThreads):
-        def fit(self, tokens: int) -> int:
-            seen.append((tokens, super().fit(tokens)))
-            return seen[-1][1]
+        def fit(self, tokens: int, one_call: bool = False) -> int:
+            seen.append((tokens, one_call, super().fit(tokens, one_call)))
+            return seen[-1][2]
     try:
         torch.set_num_threads(1)
 
-        def run(wide: int) -> dict[str, list[int]]:
+        def run(wide: int):
             engine = Engine(model, tokenizer, EngineConfig(max_batch=4, max_seq_len=256, prefill_chunk=32,
-                                                           wide_threads=wide, wide_from_tokens=4))
+                                                           wide_threads=wide, wide_from_tokens=4,
+                                                           row_kernels=row_kernels))
             if wide:
                 assert isinstance(engine.runner.threads, StepThreads)
                 engine.runner.threads = Recording(1, wide, 4)
@@ -73,16 +80,19 @@ def test_a_step_runs_with_the_threads_its_size_asks_for_and_the_same_tokens(mode
                 for out in engine.step():
                     tokens.setdefault(out.rid, []).extend(out.token_ids)
                     if wide:
-                        assert torch.get_num_threads() == seen[-1][1]
-            return tokens
+                        assert torch.get_num_threads() == seen[-1][2]
+            return tokens, engine
 
-        narrow_only = run(0)
-        adaptive = run(2)
+        narrow_only, _ = run(0)
+        adaptive, engine = run(2)
     finally:
         torch.set_num_threads(before)
     assert adaptive == narrow_only and len(adaptive["a"]) == 12
-    assert seen[0][0] >= 4 and seen[0][1] == 2                      # the prompt's prefill: every core
-    assert all(k == 1 for n, k in seen[1:]) and len(seen) > 5        # one decode row: all but one
+    one_call = engine.runner.one_call_decode
+    if row_kernels and row_kernels_module.load() is not None:
+        assert one_call
+    assert seen[0][0] >= 4 and not seen[0][1] and seen[0][2] == 2     # the prompt's prefill: every core
+    assert len(seen) > 5 and all(call == one_call and k == (2 if one_call else 1) for n, call, k in seen[1:])
 
 
 def test_the_worker_bounds_openmp_spinning_for_its_engine_process_unless_told():

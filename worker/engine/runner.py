@@ -46,6 +46,8 @@ class ModelRunner:
                  grammars: Grammars | None = None, threads: StepThreads | None = None):
         self.decoder = Decoder(model, max_positions)
         self.row_attention = device.type == "cpu" and row_kernels.installed_attention(model)
+        # a step of decode rows runs every layer in one call (decoder.decode_layers)
+        self.one_call_decode = self.row_attention and self.decoder.decode_layers is not None
         self.threads = threads if threads is not None and threads.active else None   # CPU: by the step's size
         self.cache = cache
         self.groups = groups
@@ -99,7 +101,10 @@ class ModelRunner:
         if self._upload_done is not None:
             self._upload_done.synchronize()   # done long ago in practice: a query, not a wait
         if self.threads is not None:
-            self.threads.fit(len(plan.decode) + sum(n for _, n in plan.prefill))
+            # a step of decode rows in one call (decode_layers.cpp) takes every core: no Python
+            # between its parallel regions, so the team stays hot (threads.py)
+            self.threads.fit(len(plan.decode) + sum(n for _, n in plan.prefill),
+                             one_call=self.one_call_decode and not plan.prefill)
         bs = self.cache.block_size
         decode = plan.decode
         nd = len(decode)

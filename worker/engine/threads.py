@@ -16,7 +16,13 @@ more than the extra core gives (2-core EPYC, one stream through the stack: ITL 1
 thread, 24.8-31.8 ms with two). A step of many tokens (a batch of decode rows, a prefill chunk)
 is arithmetic: it takes every usable core (`StepThreads`), which there gains more than the
 stack's work between steps costs (16 streams through the stack: 103 -> 138 tok/s; the engine
-alone 102 -> 179). docs/operations.md, "Threads and cores", has the measurements. The 4-bit /
+alone 102 -> 179). docs/operations.md, "Threads and cores", has the measurements.
+
+A step of decode rows that runs every layer in one C++ call (decode_layers.cpp, CPU) takes every
+usable core at any size: with no Python between its ~120 parallel regions the team stays hot
+and the second core is a gain, through the stack too (2-core Xeon, one stream through the
+OpenAI API, the same runs: ITL 15.8 ms with one thread, 13.4 with two; llama.cpp 16.9-17.4;
+bench/RESULTS.md). The 4-bit /
 dense crossover (cpu_kernels.py) is timed at start with the narrow count: on the 2-core EPYC it
 is 32 rows with one thread and 64 with two, so a wide step of 32-63 rows runs dense where the
 4-bit kernel would still be faster (bench/RESULTS.md, "Engine").
@@ -112,9 +118,10 @@ class StepThreads:
     def active(self) -> bool:
         return self.wide > self.narrow and self.from_tokens > 0
 
-    def fit(self, tokens: int) -> int:
-        """Set the count for a step of `tokens` tokens; returns it."""
-        want = self.wide if tokens >= self.from_tokens else self.narrow
+    def fit(self, tokens: int, one_call: bool = False) -> int:
+        """Set the count for a step of `tokens` tokens (`one_call`: decode rows only, every
+        layer in one C++ call: wide at any size, see the module's docstring); returns it."""
+        want = self.wide if self.active and (one_call or tokens >= self.from_tokens) else self.narrow
         if want != self.current:
             self._set(want)
             self.current = want
