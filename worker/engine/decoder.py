@@ -303,7 +303,7 @@ class Decoder:
                 and _rope_store_exact(first, self.cos_table, self.signed_sin_table):
             for layer in self.layers:
                 layer.rope_store = row_kernels.load().rope_store
-        self.decode_layers, self.window = decode_layers(self.layers, model)
+        self.decode_layers, self.decode_window = decode_layers(self.layers, model)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None,
                  meta: attention.StepMeta) -> torch.Tensor:
@@ -322,7 +322,7 @@ class Decoder:
                 and meta.block_tables is None:
             cache = meta.cache
             return self.decode_layers.forward(h, cos, signed_sin, meta.write_rows, cache.keys, cache.values,
-                                              meta.decode_table, meta.decode_starts(self.window),
+                                              meta.decode_table, meta.decode_starts(self.decode_window),
                                               meta.decode_lengths, cache.block_size)
         for layer in self.layers:
             h = layer(h, cos, signed_sin, meta)

@@ -16,16 +16,16 @@ more than the extra core gives (2-core EPYC, one stream through the stack: ITL 1
 thread, 24.8-31.8 ms with two). A step of many tokens (a batch of decode rows, a prefill chunk)
 is arithmetic: it takes every usable core (`StepThreads`), which there gains more than the
 stack's work between steps costs (16 streams through the stack: 103 -> 138 tok/s; the engine
-alone 102 -> 179). docs/operations.md, "Threads and cores", has the measurements.
+alone 102 -> 179). docs/operations.md, "Threads and cores", has the measurements. The 4-bit /
+dense crossover (cpu_kernels.py) is timed at start with the narrow count: on the 2-core EPYC it
+is 32 rows with one thread and 64 with two, so a wide step of 32-63 rows runs dense where the
+4-bit kernel would still be faster (bench/RESULTS.md, "Engine").
 
 A step of decode rows that runs every layer in one C++ call (decode_layers.cpp, CPU) takes every
 usable core at any size: with no Python between its ~120 parallel regions the team stays hot
 and the second core is a gain, through the stack too (2-core Xeon, one stream through the
 OpenAI API, the same runs: ITL 15.8 ms with one thread, 13.4 with two; llama.cpp 16.9-17.4;
-bench/RESULTS.md). The 4-bit /
-dense crossover (cpu_kernels.py) is timed at start with the narrow count: on the 2-core EPYC it
-is 32 rows with one thread and 64 with two, so a wide step of 32-63 rows runs dense where the
-4-bit kernel would still be faster (bench/RESULTS.md, "Engine").
+bench/RESULTS.md). Its kernels were still chosen by timings at the narrow count.
 
 OpenMP's idle threads spin before they sleep: libgomp's default (300,000 spins, milliseconds)
 keeps the team's second core busy between steps, where the gateway and Redis need it. The
