@@ -96,7 +96,7 @@ def projection(linears: list[torch.nn.Module]):
         # contiguous, and so are the decoder's activations): 4 products a layer, each a dispatch
         q4_linear = q8_kernels.load().q4_linear
         call = lambda x: q4_linear(x, q8_packed, q8_scales, q8_zeros, bias) if x.shape[0] < q8_below_rows else general(x)  # noqa: E731
-        call.parts = (dense, from_rows, packed, scales_zeros, q8_packed, q8_scales, q8_zeros, q8_below_rows, bias)
+        call.parts = general.parts
         return call
     weight, bias = tensors
     call = lambda x: F.linear(x, weight, bias)  # noqa: E731
@@ -253,10 +253,9 @@ def decode_layers(layers: list[_Layer], model):
     fits = all(layer.rope_store is not None and layer.act is F.silu
                and all(isinstance(norm, row_kernels.RowRMSNorm) for norm in layer.norm_modules)
                and all(hasattr(p, "parts") for p in group) for layer, group in zip(layers, projections))
-    kernels = row_kernels.load()
-    if not fits or kernels is None or not hasattr(kernels, "DecodeLayers"):
+    if not fits:
         return None, None
-    stack = kernels.DecodeLayers()
+    stack = row_kernels.load().DecodeLayers()   # loaded: installed_attention says so
     for layer, (qkv, o_proj, gate_up, down) in zip(layers, projections):
         first, second = layer.norm_modules
         stack.add_layer(first.weight, first.variance_epsilon, second.weight, second.variance_epsilon,

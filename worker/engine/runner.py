@@ -46,8 +46,9 @@ class ModelRunner:
                  grammars: Grammars | None = None, threads: StepThreads | None = None):
         self.decoder = Decoder(model, max_positions)
         self.row_attention = device.type == "cpu" and row_kernels.installed_attention(model)
-        # a step of decode rows runs every layer in one call (decoder.decode_layers)
-        self.one_call_decode = self.row_attention and self.decoder.decode_layers is not None
+        # a step of decode rows runs every layer in one call (decoder.decode_layers: CPU row
+        # attention only, so row_attention holds wherever it is set)
+        self.one_call_decode = self.decoder.decode_layers is not None
         self.threads = threads if threads is not None and threads.active else None   # CPU: by the step's size
         self.cache = cache
         self.groups = groups
