@@ -84,7 +84,7 @@ def summarize(name: str, profile: str, records: list[tuple[float, float, float, 
     if duration is None:
         duration = max(r[2] for r in ok) - min(r[0] for r in ok) if ok else float("nan")
     return {"target": name, "profile": profile, "requests": len(ok), "errors": errors,
-            "out_tok_s": round(sum(r[3] for r in ok) / duration, 2) if ok else 0.0,
+            "out_tokens": sum(r[3] for r in ok), "out_tok_s": round(sum(r[3] for r in ok) / duration, 2) if ok else 0.0,
             "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p95_ms": round(percentile(ttft, 95), 1),
             "itl_p50_ms": round(percentile(itl, 50), 2), "itl_p95_ms": round(percentile(itl, 95), 2)}
 
@@ -195,7 +195,7 @@ def guidellm_run(target: str, profile: str, count: int, prompt: int, output: int
     totals = m["request_totals"]
     out_tokens = m["output_token_count"]["successful"]["total_sum"]
     return {"requests": totals["successful"], "errors": totals["errored"] + totals["incomplete"],
-            "out_tok_s": round(out_tokens / bench["duration"], 2),
+            "out_tokens": out_tokens, "out_tok_s": round(out_tokens / bench["duration"], 2),
             "ttft_p50_ms": round(stat("time_to_first_token_ms", "p50"), 1),
             "ttft_p95_ms": round(stat("time_to_first_token_ms", "p95"), 1),
             "itl_p50_ms": round(stat("inter_token_latency_ms", "p50"), 2),
@@ -254,6 +254,56 @@ def stack_cpu_s(proc: subprocess.Popen | None) -> float:
     except psutil.Error:
         pass
     return total
+
+
+def part_of(p) -> str:
+    """Which part of the stack a process is: redis, gateway, worker, engine (the worker's engine
+    child) or stack (scripts/stack.py itself)."""
+    cmd = " ".join(p.cmdline())
+    if "redis-server" in cmd:
+        return "redis"
+    if "spawn_main" in cmd:               # the engine child (spawned)
+        return "engine"
+    if "resource_tracker" in cmd:         # multiprocessing's helper beside the worker
+        return "worker"
+    for part in ("gateway", "worker"):
+        if f"-m {part}" in cmd or f"{part}/__main__" in cmd:
+            return part
+    return "stack"
+
+
+def stack_cpu_by_part(proc: subprocess.Popen | None) -> dict[str, tuple[float, int]]:
+    """Per part of the stack (part_of): CPU seconds so far and voluntary context switches (each
+    one a sleep, so a wake-up), to see where a token's CPU goes."""
+    if proc is None:
+        return {}
+    import psutil
+    parts: dict[str, tuple[float, int]] = {}
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                part = part_of(p)
+                # every thread's switches (psutil's num_ctx_switches counts the main thread only)
+                wakes = sum(_voluntary_switches(p.pid, tid.id) for tid in p.threads())
+                cpu, woke = parts.get(part, (0.0, 0))
+                parts[part] = (cpu + t.user + t.system, woke + wakes)
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return parts
+
+
+def _voluntary_switches(pid: int, tid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def client_cpu_s() -> float:
@@ -315,6 +365,7 @@ def main() -> None:
             for target in targets:       # interleaved: the box's noise falls on every target alike
                 seed = run_seed + p_i * 10 + len(rows)
                 t0, stack0, client0 = time.perf_counter(), stack_cpu_s(stack), client_cpu_s()
+                parts0 = stack_cpu_by_part(stack)
                 if target == "engine":
                     texts = prompt_texts(engine.tok, count, args.prompt_tokens, seed)
                     row = summarize("engine", profile, engine.run(texts, streams, args.output_tokens))
@@ -333,6 +384,15 @@ def main() -> None:
                 # where the 2 cores went: the load generator (this process, guidellm) and the stack
                 row["client_cores"] = round((client_cpu_s() - client0) / wall, 2)
                 row["stack_cores"] = round((stack_cpu_s(stack) - stack0) / wall, 2)
+                tokens = row.get("out_tokens") or 0
+                if stack is not None and target in ("openai", "ws") and tokens:
+                    # ms of CPU per output token, by part (the engine's includes its torch threads)
+                    parts = stack_cpu_by_part(stack)
+                    row["cpu_ms_per_token"] = {k: round(1000 * (v[0] - parts0.get(k, (0.0, 0))[0]) / tokens, 2)
+                                               for k, v in sorted(parts.items())}
+                    row["cpu_ms_per_token"]["client"] = round(1000 * (client_cpu_s() - client0) / tokens, 2)
+                    row["wakes_per_token"] = {k: round((v[1] - parts0.get(k, (0.0, 0))[1]) / tokens, 2)
+                                              for k, v in sorted(parts.items())}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
@@ -356,6 +416,15 @@ def main() -> None:
     print(table(rows, ["target", "profile", "requests", "errors", "out_tok_s", "x_engine_tok_s", "x_llamacpp_tok_s",
                        "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "wall_s", "client_cores",
                        "stack_cores"]))
+    split = [{"target": r["target"], "profile": r["profile"], **r["cpu_ms_per_token"]} for r in rows
+             if "cpu_ms_per_token" in r]
+    if split:
+        print("CPU ms per output token, by part of the stack (engine: its torch threads too):")
+        print(table(split, ["target", "profile", *sorted({k for r in split for k in r} - {"target", "profile"})]))
+        wakes = [{"target": r["target"], "profile": r["profile"], **r["wakes_per_token"]} for r in rows
+                 if "wakes_per_token" in r]
+        print("Wake-ups (voluntary context switches, every thread) per output token, by part:")
+        print(table(wakes, ["target", "profile", *sorted({k for r in wakes for k in r} - {"target", "profile"})]))
     path = write_json(args.name, {"cpu": cpu, "engine_threads": threads, "kernels": kernels, "worker_env": worker_env, "seed": run_seed,
                                   "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                                   "rows": rows})

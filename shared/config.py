@@ -100,8 +100,9 @@ class Settings(BaseSettings):
                                                              "core instead of all but one; 0 = never")
     shutdown_grace_s: float = Field(30.0, description="on SIGTERM a worker finishes running requests this long, then hands the rest back")
     max_deliveries: int = Field(5, description="a request delivered to this many workers without finishing is dead-lettered")
-    worker_flush_ms: int = Field(15, description="a request's new tokens are written to Redis at most this often "
-                                                 "(its first token and its final event at once); 0 = every engine step")
+    worker_flush_ms: int | None = Field(None, ge=0, description="a request's new tokens are written to Redis at most "
+                                        "this often (its first token and its final event at once); 0 = every "
+                                        "engine step; unset = FLUSH_INTERVAL_MS, the gateway's chunk interval")
     grammar_max_schema_bytes: int = Field(64 * 1024, ge=1, description="structured output: the largest JSON "
                                           "schema (compact JSON bytes) a request may bring; larger ones are refused "
                                           "(invalid_request, param response_format or tools)")
@@ -122,6 +123,15 @@ class Settings(BaseSettings):
     worker_metrics_host: str = Field("0.0.0.0", description="address the worker's /metrics listens on")
 
     admin_token: SecretStr = Field(SecretStr(""), description="bearer token for admin endpoints")
+
+    @property
+    def worker_flush_s(self) -> float:
+        """The worker's write tick. By default the gateway's chunk interval: a client sees chunks
+        that often anyway, and a tick that matches it lets the gateway send each write at once,
+        where a shorter one costs a commit, a Redis script and a gateway wake-up per token at one
+        stream on a CPU, for no token seen sooner (bench/RESULTS.md, "Worker flush")."""
+        ms = self.flush_interval_ms if self.worker_flush_ms is None else self.worker_flush_ms
+        return ms / 1000
 
     def public_dict(self) -> dict:
         """Settings without secrets (API key hashes and tokens are redacted), for start-up logs."""

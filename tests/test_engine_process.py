@@ -243,3 +243,34 @@ def test_finals_and_load_figures_carry_the_prefix_cache_figures_across_the_pipe(
     proc = EngineProcess(synthetic(), max_prompt_tokens=100, buffer_max=16)
     proc._apply_status(msgpack.unpackb(msgpack.packb(_status(thread))))
     assert (proc.prefix_cache_queries, proc.prefix_cache_hits) == (1000, 640)
+
+
+async def test_a_paced_engine_thread_delivers_first_tokens_and_finals_at_once_and_the_rest_per_tick():
+    """EngineThread.pace_s: outputs of several steps go out together, at most once per pace,
+    except a request's first token and its final, which go at once; nothing is lost or reordered."""
+    pace = 0.2
+    deliveries: list[tuple[float, list]] = []
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def delivered() -> None:           # in the engine thread, as the engine process's pipe link
+        outs = thread.take_outputs()
+        deliveries.append((time.monotonic(), outs))
+        if any(o.finished for o in outs):
+            loop.call_soon_threadsafe(done.set)
+
+    thread = EngineThread(synthetic(step_ms=2.0)(), max_prompt_tokens=100, buffer_max=4096, on_output=delivered)
+    thread.start(pace_s=pace)
+    thread.submit(add("a", 60))
+    await asyncio.wait_for(done.wait(), 60)
+    thread.stop()
+    outs = [o for _, batch in deliveries for o in batch]
+    assert [o.completion_tokens for o in outs if o.token_ids] == list(range(1, 61))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    # the first token was delivered on its own step, not held for a tick
+    assert deliveries[0][1][0].completion_tokens == 1 and len(deliveries[0][1]) == 1
+    # every other delivery that carries no first token and no final came a full pace after the
+    # one before (a step longer than the pace makes that gap longer still)
+    for (before, _), (at, batch) in zip(deliveries, deliveries[1:]):
+        if not any(o.finished for o in batch):
+            assert at - before >= pace, (at - before, [o.completion_tokens for o in batch])

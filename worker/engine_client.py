@@ -49,9 +49,11 @@ class EngineClient(Protocol):
     prefix_cache_hits: int      # of those, served from it
     unhealthy_reason: str    # why every step fails ("" while the engine can serve)
 
-    def start(self, on_output: Callable[[], None]) -> None:
+    def start(self, on_output: Callable[[], None], pace_s: float = 0.0) -> None:
         """Start delivering outputs. Called on the event loop that takes them; `on_output` is
-        then called on that loop whenever outputs are ready to take."""
+        then called on that loop whenever outputs are ready to take: after every step, or with
+        `pace_s` > 0 at most that often, except a request's first token and its final, which
+        are ready at once (EngineThread.pace_s)."""
 
     def submit(self, command: Add | Cancel) -> None:
         """Queue a command for the next step boundary (never blocks)."""

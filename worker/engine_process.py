@@ -137,11 +137,13 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def start(self, on_output: Callable[[], None]) -> None:
-        """Deliver outputs from now on; `on_output` runs on this loop when some arrived."""
+    def start(self, on_output: Callable[[], None], pace_s: float = 0.0) -> None:
+        """Deliver outputs from now on; `on_output` runs on this loop when some arrived (the
+        child's engine thread paces them: EngineThread.pace_s)."""
         self._on_output = on_output
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._conn.fileno(), self._read)
+        self._send(["pace", pace_s])
 
     def submit(self, command: Add | Cancel) -> None:
         if isinstance(command, Add):
@@ -345,6 +347,8 @@ def _serve_commands(conn: Connection, thread: EngineThread, link: _ChildLink) ->
                 thread.submit(Cancel(rest[0], silent=rest[1], received_at=rest[2]))
             elif kind == "took":
                 link.took(rest[0])
+            elif kind == "pace":
+                thread.pace_s = rest[0]
             elif kind == "tok":
                 thread.tokenize_in_thread(rest[1]).add_done_callback(
                     lambda done, n=rest[0]: link.send(["tokr", n, done.result() if not done.cancelled() else

@@ -6,6 +6,15 @@ The asyncio side (Redis I/O) talks to it through a thread-safe inbox of add/canc
 that is drained before every step, so a cancel takes effect at the next step boundary. Step
 outputs go out through a bounded buffer: when the writer cannot keep up (Redis down), the
 engine pauses instead of growing memory without bound, and resumes when the buffer drains.
+
+Pacing (`pace_s`, the worker's WORKER_FLUSH_MS): the outputs of several steps are delivered
+together, at most every `pace_s`, so the service is woken once per flush tick, not once per
+step. A request's first token and every final are delivered at once; a step long enough that
+waiting for the next one would overshoot the tick by more than a tick delivers at its end; an
+engine with nothing left to step delivers what it holds before it sleeps. On a 2-core CPU box
+every wake-up of another process (the worker's loop, then its Redis commit, Redis and the
+gateway) costs 0.1-0.4 ms of CPU taken from a two-thread decode step, so one user's 10 ms
+tokens paid one of each per token (bench/RESULTS.md, "Wake-ups per token").
 """
 
 from __future__ import annotations
@@ -55,6 +64,10 @@ class EngineThread:
         self._cond = threading.Condition()
         self._silent: set[str] = set()
         self._stop = False
+        self.pace_s = 0.0                 # deliver at most this often (module docstring); 0: every step
+        self._undelivered = False         # outputs buffered since on_output last ran
+        self._delivered_at = 0.0          # monotonic: when on_output last ran
+        self._streaming: set[str] = set() # requests whose first token was delivered (not yet final)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         # load figures for the registry, refreshed after each step (plain ints: safe to read)
@@ -82,10 +95,11 @@ class EngineThread:
 
     # ---- called from the asyncio side -----------------------------------------------------
 
-    def start(self, on_output: Callable[[], None] | None = None) -> None:
+    def start(self, on_output: Callable[[], None] | None = None, pace_s: float = 0.0) -> None:
         """Start stepping. `on_output` (EngineClient.start), when given, runs on the calling
-        event loop whenever outputs were buffered; without it, the constructor's callback runs
-        in the engine thread itself (the engine process's pipe link)."""
+        event loop whenever outputs are ready; without it, the constructor's callback runs in
+        the engine thread itself (the engine process's pipe link). `pace_s`: see the module."""
+        self.pace_s = pace_s
         if on_output is not None:
             self._on_output = on_loop(asyncio.get_running_loop(), on_output)
         self._thread.start()
@@ -150,6 +164,11 @@ class EngineThread:
 
     def _run(self) -> None:
         while True:
+            if self._undelivered:
+                with self._cond:
+                    idle = not self._inbox and not self._ready()
+                if idle:                  # nothing to step: what is held goes out before the wait
+                    self._deliver()
             with self._cond:
                 while not self._stop and (self._buffered >= self.buffer_max
                                           or (not self._inbox and not self._ready())):
@@ -166,6 +185,7 @@ class EngineThread:
                     produced.extend(self._apply(command))
                 except Exception:
                     log.exception("engine command %r failed", command)
+            step_s = 0.0
             if self._ready():
                 started = time.perf_counter()
                 try:
@@ -174,10 +194,11 @@ class EngineThread:
                 except Exception:  # the engine catches forward errors itself; this is a last resort
                     log.exception("engine step raised; failing its requests")
                     produced.extend(self._fail_all())
+                step_s = time.perf_counter() - started
                 step = getattr(self.engine, "last_step", None)
                 if step is not None:
                     with self._telemetry_lock:
-                        self.telemetry.record_step(*step, time.perf_counter() - started)
+                        self.telemetry.record_step(*step, step_s)
             self._check_health(produced)
             produced = [o for o in produced if not self._swallow(o)]
             self.running, self.waiting = self.engine.num_running, self.engine.num_waiting
@@ -191,11 +212,33 @@ class EngineThread:
                 with self._cond:
                     self._outputs.append(produced)
                     self._buffered += len(produced)
-                self._on_output()
+                self._undelivered = True
+            if self._undelivered and self._deliver_now(produced, step_s):
+                self._deliver()
             # Hand the GIL to the asyncio thread between steps: a cancel that has arrived on the
             # control stream is then in the inbox before the next step, instead of waiting out
             # the interpreter's 5 ms switch interval while short steps run back to back.
             time.sleep(0)
+
+    def _deliver_now(self, produced: list[StepOutput], step_s: float) -> bool:
+        """Are the buffered outputs to be delivered after this step? (pacing: the module)"""
+        urgent = False
+        for o in produced:
+            if o.finished:
+                self._streaming.discard(o.rid)
+                urgent = True
+            elif o.token_ids and o.rid not in self._streaming:
+                self._streaming.add(o.rid)
+                urgent = True
+        if urgent or self.pace_s <= 0 or 2 * self._buffered >= self.buffer_max:
+            return True
+        elapsed = time.monotonic() - self._delivered_at
+        return elapsed >= self.pace_s or elapsed + step_s >= 2 * self.pace_s
+
+    def _deliver(self) -> None:
+        self._undelivered = False
+        self._delivered_at = time.monotonic()
+        self._on_output()
 
     def _check_health(self, produced: list[StepOutput]) -> None:
         if any(o.token_ids for o in produced):
@@ -215,6 +258,7 @@ class EngineThread:
             if self.engine.cancel(command.rid):       # its KV blocks are free now
                 if command.silent:
                     self._silent.add(command.rid)
+                    self._streaming.discard(command.rid)   # its final is swallowed, never seen here
                 else:
                     with self._telemetry_lock:
                         self.telemetry.record_cancel(command.received_at)

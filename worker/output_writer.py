@@ -51,9 +51,10 @@ request whose write Redis refuses (e.g. OOM under `maxmemory` + `noeviction`)
 keeps its events queued and is retried with backoff; after `MAX_WRITE_FAILURES` refusals it
 is given up: the engine stops it, and a final retryable `output_write_failed` error is queued
 behind its tokens, so when Redis accepts writes again the client gets every token and a typed
-end, and the request is acked and its lease released. The writer loop (`run`) coalesces: a
-request's new tokens are written at most every WORKER_FLUSH_MS (its first token, its final and
-attach markers at once); WORKER_FLUSH_MS=0 writes after every engine step.
+end, and the request is acked and its lease released. A request's new tokens are written at
+most every WORKER_FLUSH_MS (its first token, its final and attach markers at once): the engine
+delivers them at that pace (worker.engine_thread) and the writer loop (`run`) commits each
+delivery; WORKER_FLUSH_MS=0 writes after every engine step.
 
 The writer's client has no per-reply socket timeout: redis-py arms one asyncio timer per reply
 it reads, which cost about as much client CPU as the rest of a pipelined script call, and a
@@ -113,7 +114,7 @@ class DeadLetter:
 
 
 class OutputWriter:
-    def __init__(self, redis, keys: Keys, settings: Settings, worker_id: str, *,
+    def __init__(self, redis, keys: Keys, settings: Settings, worker_id: str, *, paced: bool = False,
                  on_give_up: Callable[[InFlight], None] = lambda st: None,
                  on_done: Callable[[list[InFlight]], None] = lambda done: None,
                  on_fenced: Callable[[InFlight], None] = lambda st: None,
@@ -123,6 +124,7 @@ class OutputWriter:
         self.keys = keys
         self.settings = settings
         self.worker_id = worker_id
+        self.paced = paced                    # the engine delivers at WORKER_FLUSH_MS already (`run`)
         self.on_give_up = on_give_up
         self.on_done = on_done                # called with the requests a commit completed
         self.on_fenced = on_fenced            # called with a request another worker took over
@@ -363,9 +365,19 @@ class OutputWriter:
                   wake: asyncio.Event) -> None:
         """Coalescing: step outputs are taken as they come (cheap, in memory) and written on a
         common tick every WORKER_FLUSH_MS, so all requests share one round trip per tick; first
-        tokens, finals and markers do not wait for the tick. Transient errors propagate (the
+        tokens, finals and markers do not wait for the tick.
+
+        `paced`: the engine itself delivers at most every WORKER_FLUSH_MS, besides a request's
+        first token and final at once (EngineThread.pace_s), so the writer need not wake on a
+        timer of its own: the tick runs from the last full write, and a delivery that comes
+        within a quarter tick of it (the engine's clock and this loop's differ by the pipe's
+        and the loop's latency) is written whole at once. An urgent delivery earlier than that
+        writes only what is urgent, as without pacing, so a busy engine's stream of first
+        tokens and finals does not turn every step into a write of every request; the timer
+        stays as the fallback for what that left behind. Transient errors propagate (the
         caller retries with backoff); nothing is taken out of `states` before it is written."""
-        flush_s = self.settings.worker_flush_ms / 1000
+        flush_s = self.settings.worker_flush_s
+        early = flush_s / 4 if self.paced else 0.0
         next_tick = time.monotonic() + flush_s
         while True:
             now = time.monotonic()
@@ -383,7 +395,7 @@ class OutputWriter:
             if queued_outputs(states) < self.settings.output_buffer_max:
                 route(take_outputs(), states)   # else leave them: the engine pauses on a full buffer
             now = time.monotonic()
-            if now >= next_tick:
+            if now >= next_tick - early:
                 batch = [st for st in states.values() if st.has_news or st.final_written]
                 next_tick = now + flush_s
             else:

@@ -73,7 +73,8 @@ class WorkerService:
             "lease_lapsed": self.table.lease_lapsed(time.monotonic())})
         self.table = table = InFlightTable(engine, capacity=s.max_batch, queue_depth=s.worker_queue_depth,
                                            stats=stats, on_finished=metrics.request_finished)
-        self.writer = writer = OutputWriter(self.redis.output, keys, s, worker_id, on_give_up=table.give_up,
+        # the engine paces its outputs to WORKER_FLUSH_MS (EngineThread.pace_s; `start` below)
+        self.writer = writer = OutputWriter(self.redis.output, keys, s, worker_id, paced=True, on_give_up=table.give_up,
                                             on_done=table.finished, on_fenced=table.drop, on_commit=metrics.commit,
                                             on_lapsed=lambda st: self.leases.renew_soon(st))
         ownership = Ownership(self.redis.main, keys, s, worker_id)
@@ -122,9 +123,9 @@ class WorkerService:
                 log.info("metrics on http://%s:%d/metrics", self.settings.worker_metrics_host, port)
         await with_backoff(self.intake.ensure_group, "create consumer group", stopping)
         await with_backoff(self.lifecycle.heartbeat_once, "register", stopping)
-        self.engine.start(self.outputs_event.set)
-        log.info("worker %s ready (capacity %d, flush every %d ms)", self.worker_id, self.table.capacity,
-                 self.settings.worker_flush_ms)
+        self.engine.start(self.outputs_event.set, pace_s=self.settings.worker_flush_s)
+        log.info("worker %s ready (capacity %d, flush every %g ms)", self.worker_id, self.table.capacity,
+                 1000 * self.settings.worker_flush_s)
         supervised = self.lifecycle.supervised
 
         async def write() -> None:
