@@ -367,15 +367,12 @@ class OutputWriter:
         common tick every WORKER_FLUSH_MS, so all requests share one round trip per tick; first
         tokens, finals and markers do not wait for the tick.
 
-        `paced`: the engine itself delivers at most every WORKER_FLUSH_MS, besides a request's
-        first token and final at once (EngineThread.pace_s), so the writer need not wake on a
-        timer of its own: the tick runs from the last full write, and a delivery that comes
-        within a quarter tick of it (the engine's clock and this loop's differ by the pipe's
-        and the loop's latency) is written whole at once. An urgent delivery earlier than that
-        writes only what is urgent, as without pacing, so a busy engine's stream of first
-        tokens and finals does not turn every step into a write of every request; the timer
-        stays as the fallback for what that left behind. Transient errors propagate (the
-        caller retries with backoff); nothing is taken out of `states` before it is written."""
+        `paced`: the engine delivers at most every tick itself (EngineThread.pace_s), so a
+        delivery within a quarter tick of the due time (the two clocks differ by the pipe's
+        latency) is written whole at once, with no timer wake-up; an earlier urgent one writes
+        only what is urgent, so a busy engine's first tokens and finals do not make every step
+        a write of every request (the timer is the fallback for what that leaves). Transient
+        errors propagate (the caller retries with backoff); nothing leaves `states` unwritten."""
         flush_s = self.settings.worker_flush_s
         early = flush_s / 4 if self.paced else 0.0
         next_tick = time.monotonic() + flush_s
