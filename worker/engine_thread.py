@@ -134,6 +134,10 @@ class EngineThread:
         ready = getattr(self.engine, "ready", None)
         return ready() if ready is not None else self.engine.has_work
 
+    def _idle(self) -> bool:
+        """Nothing to apply and nothing to step (called holding the lock)."""
+        return not self._inbox and not self._ready()
+
     def _idle_wait_s(self) -> float:
         """How long the loop may sleep: until the next gauge sample or compile deadline."""
         deadline = getattr(self.engine, "compile_deadline", lambda: None)()
@@ -166,12 +170,11 @@ class EngineThread:
         while True:
             if self._undelivered:
                 with self._cond:
-                    idle = not self._inbox and not self._ready()
+                    idle = self._idle()
                 if idle:                  # nothing to step: what is held goes out before the wait
-                    self._deliver()
+                    self._deliver()       # (outside the lock: the pipe link may wait for credit)
             with self._cond:
-                while not self._stop and (self._buffered >= self.buffer_max
-                                          or (not self._inbox and not self._ready())):
+                while not self._stop and (self._buffered >= self.buffer_max or self._idle()):
                     self._cond.wait(self._idle_wait_s())
                     with self._telemetry_lock:     # idle: the gauges still follow (e.g. blocks now cached)
                         self.telemetry.sample_gauges(self.engine, time.monotonic())
