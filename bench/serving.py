@@ -236,26 +236,6 @@ def _ok(url: str) -> bool:
         return False
 
 
-def stack_cpu_s(proc: subprocess.Popen | None) -> float:
-    """CPU seconds so far of the stack's live processes (scripts/stack.py and everything under
-    it: Redis, gateway, worker, engine process)."""
-    if proc is None:
-        return 0.0
-    import psutil
-    total = 0.0
-    try:
-        root = psutil.Process(proc.pid)
-        for p in [root, *root.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-    except psutil.Error:
-        pass
-    return total
-
-
 def part_of(p) -> str:
     """Which part of the stack a process is: redis, gateway, worker, engine (the worker's engine
     child) or stack (scripts/stack.py itself)."""
@@ -364,8 +344,7 @@ def main() -> None:
             count = args.requests or (6 if streams == 1 else 4 * streams)
             for target in targets:       # interleaved: the box's noise falls on every target alike
                 seed = run_seed + p_i * 10 + len(rows)
-                t0, stack0, client0 = time.perf_counter(), stack_cpu_s(stack), client_cpu_s()
-                parts0 = stack_cpu_by_part(stack)
+                t0, parts0, client0 = time.perf_counter(), stack_cpu_by_part(stack), client_cpu_s()
                 if target == "engine":
                     texts = prompt_texts(engine.tok, count, args.prompt_tokens, seed)
                     row = summarize("engine", profile, engine.run(texts, streams, args.output_tokens))
@@ -382,12 +361,12 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 row["wall_s"] = round(wall, 1)
                 # where the 2 cores went: the load generator (this process, guidellm) and the stack
+                parts = stack_cpu_by_part(stack)
                 row["client_cores"] = round((client_cpu_s() - client0) / wall, 2)
-                row["stack_cores"] = round((stack_cpu_s(stack) - stack0) / wall, 2)
+                row["stack_cores"] = round(sum(v[0] - parts0.get(k, (0.0, 0))[0] for k, v in parts.items()) / wall, 2)
                 tokens = row.get("out_tokens") or 0
                 if stack is not None and target in ("openai", "ws") and tokens:
                     # ms of CPU per output token, by part (the engine's includes its torch threads)
-                    parts = stack_cpu_by_part(stack)
                     row["cpu_ms_per_token"] = {k: round(1000 * (v[0] - parts0.get(k, (0.0, 0))[0]) / tokens, 2)
                                                for k, v in sorted(parts.items())}
                     row["cpu_ms_per_token"]["client"] = round(1000 * (client_cpu_s() - client0) / tokens, 2)
