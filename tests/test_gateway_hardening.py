@@ -461,7 +461,9 @@ async def test_a_stalled_redis_does_not_hold_up_a_sockets_streams_or_its_done(tm
     try:
         await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
         await silent_worker(redis, Keys("stall"))
-        settings = gateway_settings(server.url, "stall", per_key_concurrency=4, flush_interval_ms=0)
+        # a long inbox BLOCK: the reader is certainly parked in XREAD when our XADD lands
+        settings = gateway_settings(server.url, "stall", per_key_concurrency=4, flush_interval_ms=0,
+                                    inbox_block_ms=600_000)
         async with gateway_in_process(settings) as gw:
             c = await GatewayClient.connect(gw.ws_url)
             for cid in ("A", "B"):
@@ -474,6 +476,9 @@ async def test_a_stalled_redis_does_not_hold_up_a_sockets_streams_or_its_done(tm
                      DoneEvent(rid["A"], 3, "length", DoneUsage(1, 3), 1, 0).encode(),
                      TokEvent(rid["B"], 2, [4, 5], "de", 1, 0).encode()]
             # (no history needed: the live events join up on their own)
+            async def reader_blocked() -> bool:      # CLIENT LIST: the inbox XREAD is parked in Redis
+                return any(c["cmd"] == "xread" and "b" in c["flags"] for c in await redis.client_list())
+            assert await eventually(reader_blocked, timeout=15)
             await redis.xadd(keys.inbox(gw_id), {ENTRY_FIELD: pack_event_list(batch)})
             # Redis answers a blocked XREAD in the same pass as the XADD that wakes it: by the
             # time our XADD's reply is here, the gateway's batch is on its socket
