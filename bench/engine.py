@@ -53,6 +53,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from worker.engine.threads import bound_openmp_spin  # noqa: E402
+
+bound_openmp_spin()   # OpenMP as the worker's (before torch loads): what a user runs is measured
+
 import torch  # noqa: E402
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
@@ -60,6 +64,7 @@ from bench.common import llamacpp_events, percentile, run_threads, table, write_
 from shared.config import Settings  # noqa: E402
 from worker.engine import Engine, EngineConfig, EngineRequest, build_prompt_ids, load_model  # noqa: E402
 from worker.engine.config import default_prefill_chunk, resolve_dtype  # noqa: E402
+from worker.engine.threads import apply_torch_threads, wide_torch_threads  # noqa: E402
 from worker.engine.quantize import Int4Linear  # noqa: E402
 
 try:
@@ -266,7 +271,8 @@ def prepare_engine(model, tok, reqs, args):
                                              prefill_chunk=args.prefill_chunk or default_prefill_chunk(model.device.type),
                                              prefix_caching=args.prefix_cache == "on",
                                              device=str(model.device.type),
-                                             dtype=model.dtype))
+                                             dtype=model.dtype, wide_threads=args.wide_threads,
+                                             wide_from_tokens=args.wide_from_tokens))
 
     def run(t0):
         pending = sorted(reqs, key=lambda r: r.arrival)
@@ -424,8 +430,11 @@ def main() -> None:
         args.fixed_prompt, args.fixed_tokens, args.concurrency = 16, 8, "1,4"
         args.repeat = 1
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # --threads 0: the worker's thread policy (worker.engine.threads), wide steps included
+    policy = Settings(torch_threads=args.threads)
+    args.wide_threads = wide_torch_threads(policy, args.device)
+    args.wide_from_tokens = policy.torch_wide_from_tokens
+    args.narrow_threads = apply_torch_threads(policy, args.device)
     if args.random_weights and args.quantization == "int4":
         ap.error("--quantization applies to the GGUF model, not --random-weights")
     if args.random_weights:
@@ -480,10 +489,11 @@ def main() -> None:
     from worker.engine.cpu_kernels import cpu_model
     from worker.engine.quantize import kernel_path
     cpu, kernels = cpu_model(), kernel_path(model)
-    print(f"CPU: {cpu}; torch threads: {torch.get_num_threads()}; kernels: {kernels}")
+    print(f"CPU: {cpu}; torch threads: {args.narrow_threads} (wide steps: {args.wide_threads or 'same'}); "
+          f"kernels: {kernels}")
     path = write_json("engine", {
         "baseline": "static", "model": f"{model_name} ({model.dtype})", "cpu": cpu, "kernels": kernels,
-        "device": args.device, "torch_threads": torch.get_num_threads(), "args": vars(args), "results": results,
+        "device": args.device, "torch_threads": args.narrow_threads, "wide_threads": args.wide_threads, "args": vars(args), "results": results,
         "rows": rows,
     })
     print(f"\nwrote {path}")
