@@ -25,7 +25,10 @@ the engine's ignore_eos, llama.cpp's ignore_eos) so every method produces the sa
 tokens over comparable contexts. Set-up outside the timed region: the engine's KV cache allocation and the transformers
 manager's start. Reported: output tokens/s (all tokens / time from first arrival to last token), TTFT
 p50/p95 (first token - arrival, queueing included), inter-token gap p50/p95. Ratios are
-against the static baseline of the same workload in the same run.
+against the static baseline of the same workload in the same run. Threads: with --threads 0
+(the default) the engine runs as the worker runs it (worker.engine.threads: its narrow and wide
+steps, libgomp's bounded spin) and the transformers methods on torch's default count;
+--threads N gives every method N.
 
     .venv/bin/python bench/engine.py                       # SmolLM2-135M, ~5-6 min on 2 CPU cores
     .venv/bin/python bench/engine.py --quick               # small smoke run
@@ -267,6 +270,7 @@ def prepare_hf_cb(model, tok, reqs, args):
 
 def prepare_engine(model, tok, reqs, args):
     max_len = max(len(r.prompt) + r.n for r in reqs)
+    torch.set_num_threads(args.narrow_threads)      # the worker's count below the wide steps
     engine = Engine(model, tok, EngineConfig(max_batch=_batch(reqs, args), max_seq_len=max_len,
                                              prefill_chunk=args.prefill_chunk or default_prefill_chunk(model.device.type),
                                              prefix_caching=args.prefix_cache == "on",
@@ -291,7 +295,11 @@ def prepare_engine(model, tok, reqs, args):
             stamp = time.perf_counter()
             for o in outs:
                 by_rid[o.rid].times.extend([stamp] * len(o.token_ids))
-    return run, lambda: model.set_attn_implementation("sdpa")
+
+    def cleanup():
+        torch.set_num_threads(args.other_threads)
+        model.set_attn_implementation("sdpa")
+    return run, cleanup
 
 
 # greedy: every method decodes the same tokens; chat: what chat clients typically send (the
@@ -430,7 +438,10 @@ def main() -> None:
         args.fixed_prompt, args.fixed_tokens, args.concurrency = 16, 8, "1,4"
         args.repeat = 1
 
-    # --threads 0: the worker's thread policy (worker.engine.threads), wide steps included
+    # --threads 0: the engine under the worker's thread policy (worker.engine.threads), wide
+    # steps included, and the model loaded (kernels calibrated) under it as the worker loads it;
+    # the transformers methods keep torch's default threads
+    args.other_threads = args.threads or torch.get_num_threads()
     policy = Settings(torch_threads=args.threads)
     args.wide_threads = wide_torch_threads(policy, args.device)
     args.wide_from_tokens = policy.torch_wide_from_tokens
@@ -445,6 +456,7 @@ def main() -> None:
                             quantization=args.quantization, torch_threads=args.threads)
         model, tok = load_model(settings)
     model.set_attn_implementation("sdpa")
+    torch.set_num_threads(args.other_threads)
     warm_up(model, tok, args)
     methods = [m for m in args.methods.split(",") if m]
     rows, results = [], {}
@@ -489,7 +501,8 @@ def main() -> None:
     from worker.engine.cpu_kernels import cpu_model
     from worker.engine.quantize import kernel_path
     cpu, kernels = cpu_model(), kernel_path(model)
-    print(f"CPU: {cpu}; torch threads: {args.narrow_threads} (wide steps: {args.wide_threads or 'same'}); "
+    print(f"CPU: {cpu}; engine torch threads: {args.narrow_threads} (wide steps: "
+          f"{args.wide_threads or 'same'}), transformers methods: {args.other_threads}; "
           f"kernels: {kernels}")
     path = write_json("engine", {
         "baseline": "static", "model": f"{model_name} ({model.dtype})", "cpu": cpu, "kernels": kernels,
