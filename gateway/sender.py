@@ -222,6 +222,7 @@ class Sender:
                 self._heartbeat_due = False
                 if time.monotonic() - socket.last_send >= self.s.heartbeat_s / 2:
                     await socket.send(Heartbeat(ts=time.time()))
+            socket.flush()                  # the pass's frames leave together (gateway.ws.socket)
 
     def _next_look(self, now: float) -> float | None:
         """When the next pass is due: the soonest time a buffer asks to be looked at (its

@@ -35,5 +35,9 @@ class Writer(Protocol):
     async def send_payload(self, payload: Payload) -> None:
         """Send what `encode` made."""
 
+    def flush(self) -> None:
+        """The end of a sender pass: what it sent leaves now (a WebSocket holds the frames of
+        a pass to send them in one write: gateway.ws.socket)."""
+
     async def close(self, code: int, reason: str, *, last: BaseModel | None = None) -> None:
         """Send `last` (the typed explanation), then end the transport."""

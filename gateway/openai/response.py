@@ -89,6 +89,9 @@ class OpenAIResponse:
         if payload:
             await self._write(payload)
 
+    def flush(self) -> None:
+        """Nothing held: each event is its own body write."""
+
     async def send(self, msg: BaseModel) -> None:
         # counts as a send even when nothing is written (a heartbeat of a non-streamed answer),
         # so the Sender's heartbeat clock advances instead of firing again at once

@@ -8,6 +8,12 @@ ASGI has no "abort": a close frame queued behind megabytes a client never reads 
 delivered, and uvicorn's close waits for the write buffer to drain. `ExposeTransport` (an ASGI
 middleware) records the server's transport in the scope, so `abort()` can drop the TCP
 connection and free its buffers.
+
+It also corks the transport (`CorkedTransport`): the frames a sender pass writes to one socket
+(the chunks of its streams that came due together, gateway/sender.py) leave in one write, one
+syscall, at the end of the pass (`flush`; other writes at the end of the event-loop
+iteration), instead of one each. The socket write was a
+third of the gateway's CPU at 256 streams (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -31,16 +37,64 @@ CLOSE_TIMEOUT_S = 2.0
 TRANSPORT_SCOPE_KEY = "llm_stream.transport"
 
 
+class CorkedTransport:
+    """An asyncio transport whose writes within one event-loop iteration go out as one write
+    (the module docstring). A close first writes what is held; an abort drops it, as the
+    transport's own abort drops its buffer. Everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport):
+        self._transport = transport
+        self._held: list[bytes] = []
+        self._size = 0
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._held:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._held.append(data)
+        self._size += len(data)
+
+    def writelines(self, chunks) -> None:
+        for data in chunks:
+            self.write(data)
+
+    def flush(self) -> None:
+        if self._held:
+            data = b"".join(self._held) if len(self._held) > 1 else self._held[0]
+            self._held, self._size = [], 0
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + self._size
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held, self._size = [], 0
+        self._transport.abort()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 class ExposeTransport:
-    """ASGI middleware: put the server's asyncio transport (uvicorn's protocol has one) in the scope."""
+    """ASGI middleware: put the server's asyncio transport (uvicorn's protocol has one) in the
+    scope, corked (`CorkedTransport`) where the protocol writes through that attribute."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket":
-            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            protocol = getattr(send, "__self__", None)
+            transport = getattr(protocol, "transport", None)
             if transport is not None:
+                if not isinstance(transport, CorkedTransport):
+                    transport = protocol.transport = CorkedTransport(transport)
                 scope[TRANSPORT_SCOPE_KEY] = transport
         await self.app(scope, receive, send)
 
@@ -79,6 +133,11 @@ class FrameSocket:
             self.send_started = None
         self.last_send = time.monotonic()
         self.metrics.frames.inc()
+
+    def flush(self) -> None:
+        transport = self.ws.scope.get(TRANSPORT_SCOPE_KEY)
+        if isinstance(transport, CorkedTransport):
+            transport.flush()
 
     async def close(self, code: int, reason: str, *, last: BaseModel | None = None) -> None:
         """Send `last` (the typed explanation), then a close frame; abort if the client does not take them."""
