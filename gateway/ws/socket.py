@@ -45,7 +45,6 @@ class CorkedTransport:
     def __init__(self, transport: asyncio.Transport):
         self._transport = transport
         self._held: list[bytes] = []
-        self._size = 0
 
     def write(self, data: bytes) -> None:
         if not data:
@@ -53,7 +52,6 @@ class CorkedTransport:
         if not self._held:
             asyncio.get_running_loop().call_soon(self.flush)
         self._held.append(data)
-        self._size += len(data)
 
     def writelines(self, chunks) -> None:
         for data in chunks:
@@ -62,19 +60,19 @@ class CorkedTransport:
     def flush(self) -> None:
         if self._held:
             data = b"".join(self._held) if len(self._held) > 1 else self._held[0]
-            self._held, self._size = [], 0
+            self._held = []
             if not self._transport.is_closing():
                 self._transport.write(data)
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + self._size
+        return self._transport.get_write_buffer_size() + sum(map(len, self._held))
 
     def close(self) -> None:
         self.flush()
         self._transport.close()
 
     def abort(self) -> None:
-        self._held, self._size = [], 0
+        self._held = []
         self._transport.abort()
 
     def __getattr__(self, name):
