@@ -152,6 +152,7 @@ class Hub:
         if self.reader:
             await self.reader.stop()
         if self.redis:
+            await self.admission.stop()
             await self.bookkeeper.stop()
             try:
                 await asyncio.wait_for(self.liveness.leave(), 2.0)

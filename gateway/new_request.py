@@ -156,6 +156,8 @@ class RequestStarter:
             for rid_ in release:
                 self.bookkeeper.request_ended(key_id, rid_)     # not known to be written: queue again
             raise
+        finally:
+            self.admission.refresh_if_due()      # off this request's path (Admission's docstring)
         if first is not None:
             requests.drop(req)
             log.debug("request %s not started: its idempotency key started %s", rid, first, extra=rid_of(first))

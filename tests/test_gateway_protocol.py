@@ -227,3 +227,52 @@ async def test_a_worker_that_missed_a_few_heartbeats_still_admits_work(redis_ser
     with pytest.raises(ProtocolError) as info:
         await admission.admit()
     assert info.value.code == ErrorCode.OVERLOADED
+
+
+async def test_a_stale_backlog_admits_while_it_refreshes_but_never_refuses(redis_server, stream_prefix,
+                                                                           redis_client, monkeypatch):
+    """Past ADMISSION_CACHE_MS a snapshot that admits is still used (a user whose requests come
+    seconds apart pays no round trip before `accepted`) and one background read, started after
+    the request's submit, refreshes it;
+    a snapshot that would refuse is never used past ADMISSION_CACHE_MS: admission reads first."""
+    import gateway.admission as admission_module
+    from gateway.admission import Admission
+    from shared.backlog import read_backlog
+    keys = Keys(stream_prefix)
+    reads, release = [], asyncio.Event()
+
+    async def held_read(*args):
+        reads.append(args)
+        await release.wait()
+        return await read_backlog(*args)
+
+    admission = Admission(redis_client, keys, max_depth=100, worker_ttl_s=2.0, cache_ms=200)
+    await redis_client.zadd(keys.workers, {"w": int(time.time() * 1000) + 600_000})
+    await admission.admit()                                   # the first read, inline
+    monkeypatch.setattr(admission_module, "read_backlog", held_read)
+    admission._at -= 1.0                                      # past cache_ms, within ADMISSION_STALE_S
+    await asyncio.wait_for(admission.admit(), 5)              # admitted, no read on its path
+    assert len(reads) == 0
+    admission.refresh_if_due()                                # after its submit: the read starts
+    await asyncio.wait_for(admission.admit(), 5)              # admitted while the read is held
+    admission.refresh_if_due()                                # still one read in flight, not two
+    await asyncio.sleep(0)
+    assert len(reads) == 1
+    await redis_client.zrem(keys.workers, "w")                # the fleet is gone meanwhile
+    release.set()
+    await asyncio.wait_for(admission._refresh, 5)             # the refresh lands: no live worker
+    with pytest.raises(ProtocolError) as info:
+        await admission.admit()
+    assert info.value.code == ErrorCode.OVERLOADED
+    # a refusing snapshot past cache_ms is read again before it answers: a worker that came up is seen
+    await redis_client.zadd(keys.workers, {"w": int(time.time() * 1000) + 600_000})
+    admission._at -= 1.0
+    await admission.admit()
+    assert len(reads) == 2 and admission._snapshot.live_workers == 1
+    # past ADMISSION_STALE_S even an admitting snapshot is read inline
+    admission._at -= admission_module.ADMISSION_STALE_S
+    reads_before = len(reads)
+    await admission.admit()
+    admission.refresh_if_due()
+    assert len(reads) == reads_before + 1
+    await admission.stop()
