@@ -260,9 +260,9 @@ async def test_a_redis_paused_past_the_lease_cannot_stretch_the_owners_deadline(
     table = InFlightTable(EngineThread(SyntheticEngine(max_batch=1, step_ms=5), max_prompt_tokens=100, buffer_max=64),
                           capacity=1, queue_depth=0, stats=stats)
     own = Ownership(redis, keys, s, "wa")
+    writer = OutputWriter(redis, keys, s, "wa", on_lapsed=lambda st: leases.renew_soon(st))
     leases = Leases(redis=redis, keys=keys, settings=s, worker_id="wa", ownership=own, table=table,
-                    engine=table.engine, stats=stats)
-    writer = OutputWriter(redis, keys, s, "wa", on_lapsed=leases.renew_soon)
+                    engine=table.engine, stats=stats, writer_stats=writer.stats)
     try:
         rid = new_rid()
         await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
@@ -288,6 +288,8 @@ async def test_a_redis_paused_past_the_lease_cannot_stretch_the_owners_deadline(
         # the reply came after the round's deadline: it renewed nothing on our clock (a deadline
         # counted from the reply would run to resumed + lease)
         assert before + lease_s <= st.lease_until < resumed and not st.may_write(time.monotonic())
+        # a lapse that no commit round saw (none ran meanwhile) is counted by the late reply, once
+        assert writer.stats["lease_lapses"] == 1 and st.lease_lapsed
         # so the writer holds the output: nothing written, nothing dropped, a renewal asked for
         st.add_output(StepOutput(rid, " b", [2], False, None, 1, 2))
         assert await writer.commit([st]) == [] and st.written_seq == 1 and len(st.unsent) == 1

@@ -8,7 +8,9 @@ and the entry in our pending list (PEL); meta is the truth, and the PEL follows 
 * keep-fresh (every `keep_fresh_interval`, or at once when the output writer finds a lease
   past its deadline): per request we own, extend the lease and read the cancel flag
   (worker.ownership's KEEP), and move the request's `lease_until` to that round's deadline
-  (counted from when it was sent, so a stalled Redis cannot stretch it); a request whose epoch
+  (counted from when it was sent, so a stalled Redis cannot stretch it); a request whose old
+  deadline had passed with no commit round to see it (the writer's round waiting in a stalled
+  Redis) is counted as a lapse here (`worker_lease_lapses_total`); a request whose epoch
   moved on was taken over: dropped here. Then XCLAIM ... JUSTID of every entry we own: resets
   its idle time (a slow but healthy worker's requests are never claimed away), and brings back
   one another consumer claimed (that worker found our lease alive and left the request to us);
@@ -41,7 +43,7 @@ PENDING_PAGE = 1000      # our pending entries read this many per call (pending_
 
 class Leases:
     def __init__(self, *, redis, keys: Keys, settings: Settings, worker_id: str, ownership: Ownership,
-                 table: InFlightTable, engine: EngineClient, stats: Stats):
+                 table: InFlightTable, engine: EngineClient, stats: Stats, writer_stats: dict | None = None):
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -50,6 +52,7 @@ class Leases:
         self.table = table
         self.engine = engine
         self.stats = stats
+        self.writer_stats = writer_stats if writer_stats is not None else {"lease_lapses": 0}   # the writer's counts
         self._renew = asyncio.Event()    # a lease passed its deadline: renew now, not at the next interval
         # keep-fresh's XCLAIM (idle time reset) and a hand back's (idle time far past claim_idle_ms)
         # of the same entry must reach Redis in the order their decisions were made: a reset
@@ -91,6 +94,11 @@ class Leases:
             kept.append(st)
             st.lease_refused = verdict.refused
             if verdict.lease_until is not None and verdict.lease_until > st.lease_until:
+                if not st.lease_lapsed and not st.may_write(time.monotonic()):
+                    # its deadline passed and no commit round saw it (the writer's round waited in
+                    # a stalled Redis's socket, holding its lock): a lapse all the same
+                    st.lease_lapsed = True
+                    self.writer_stats["lease_lapses"] += 1
                 st.lease_until = verdict.lease_until
                 if st.lease_lapsed and st.may_write(time.monotonic()):
                     st.lease_lapsed = False
