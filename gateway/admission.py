@@ -9,14 +9,15 @@ the registry zset `{p}:workers` (worker id -> last heartbeat ms). One snapshot i
 `cache_ms` so a burst of thousands of requests costs one round trip, not thousands.
 
 Past `cache_ms` a snapshot may still admit, up to `ADMISSION_STALE_S` old, and one background
-read, started once that request's submit is done (`refresh_if_due`), refreshes it: a user whose requests come seconds apart (one chat, guidellm's
-synchronous profile) would otherwise wait out a Redis round trip before every `accepted`
-(0.2-0.5 ms of a 3-4 ms submit on a 2-core Zen 3). Only admitting is done on a stale view; a refusal
-(no live worker, a full queue) is always decided on a read no older than `cache_ms`, so a
-worker that came up or a queue that drained is seen at once. What a stale view can miss is
-other replicas' admissions since it was read, which a `cache_ms` view misses too: the window
-is wider only for the first requests after a quiet spell, when the refresh lands a round trip
-later. `cache_ms` 0 (tests, exact limits) reads every time, as before.
+read, started once that request's submit is done (`refresh_if_due`), refreshes it: a user whose
+requests come seconds apart (one chat, guidellm's synchronous profile) would otherwise wait out
+a Redis round trip before every `accepted` (0.2-0.6 ms of a 3-4 ms submit on a 2-core Zen 3).
+Only admitting is done on a stale view; a refusal (no live worker, a full queue) is always
+decided on a read no older than `cache_ms`, so a worker that came up or a queue that drained is
+seen at once. What a stale view can miss is other replicas' admissions since it was read, which
+a `cache_ms` view misses too: the window is wider only for the first requests after a quiet
+spell, when the refresh lands a round trip later. `cache_ms` 0 (tests, exact limits) reads
+every time, as before.
 
 "Alive" for admission is a heartbeat within ADMISSION_GRACE_TTLS x WORKER_TTL_S, not within one
 TTL: WORKER_TTL_S is tuned for failover (claim a silent worker's requests within seconds), while

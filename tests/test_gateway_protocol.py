@@ -233,8 +233,8 @@ async def test_a_stale_backlog_admits_while_it_refreshes_but_never_refuses(redis
                                                                            redis_client, monkeypatch):
     """Past ADMISSION_CACHE_MS a snapshot that admits is still used (a user whose requests come
     seconds apart pays no round trip before `accepted`) and one background read, started after
-    the request's submit, refreshes it;
-    a snapshot that would refuse is never used past ADMISSION_CACHE_MS: admission reads first."""
+    the request's submit, refreshes it; a snapshot that would refuse is never used past
+    ADMISSION_CACHE_MS: admission reads first."""
     import gateway.admission as admission_module
     from gateway.admission import Admission
     from shared.backlog import read_backlog
