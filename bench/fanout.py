@@ -214,10 +214,11 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
         if args.py_spy and mode == "v2" and largest:
             out = Path(args.py_spy).with_suffix(f".{streams}x{step_ms:g}ms.txt")
             spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gw.pid),
-                                    "--format", "raw", "--nonblocking", "-o", str(out)],
+                                    "--format", "raw", "--nonblocking", "--rate", "400", "-o", str(out)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         calls0 = redis_calls(r)
         cpu0 = gwp.cpu_times()
+        writes0 = gwp.io_counters().write_count     # write syscalls: socket sends included
         t0 = time.monotonic()
         n_clients = max(1, min(args.clients, streams // STREAMS_PER_SOCKET))
         outs, clients = [], []
@@ -236,6 +237,7 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
             spy.send_signal(signal.SIGINT)      # py-spy writes its profile on SIGINT
             spy.wait(30)
         cpu1 = gwp.cpu_times()
+        writes1 = gwp.io_counters().write_count
         calls1 = redis_calls(r)
         gaps, tok, frames, errors = [], 0, 0, 0
         for out in outs:
@@ -251,7 +253,8 @@ def run_cell(mode: str, streams: int, step_ms: float, args, redis_url: str, v1_t
         return {
             "mode": mode, "streams": streams, "step_ms": step_ms, "tokens": tok, "errors": errors, "wall_s": wall,
             "target_tok_per_s": streams * 1000 / step_ms, "tok_per_s": tok / wall,
-            "gw_cores": cpu / wall, "redis_cmd_per_tok": (calls1 - calls0) / max(1, tok),
+            "gw_cores": cpu / wall, "gw_us_per_tok": cpu * 1e6 / max(1, tok),
+            "gw_writes_per_s": (writes1 - writes0) / wall, "redis_cmd_per_tok": (calls1 - calls0) / max(1, tok),
             "frames_per_s": frames / wall, "tok_per_frame": tok / max(1, frames),
             "gap_p50_ms": percentile(gaps, 50) * 1000, "gap_p95_ms": percentile(gaps, 95) * 1000,
             "gap_p99_ms": percentile(gaps, 99) * 1000,
@@ -369,7 +372,8 @@ def main() -> None:
                     row = run_cell(mode, streams, step, args, server.url, v1_tree, work)
                     rows.append(row)
                     print(f"{mode:10} streams={streams:<5} step={step:g}ms  tok/s={row['tok_per_s']:8.0f} "
-                          f"(target {row['target_tok_per_s']:.0f})  gw cores={row['gw_cores']:.2f}  "
+                          f"(target {row['target_tok_per_s']:.0f})  gw cores={row['gw_cores']:.2f} "
+                          f"({row['gw_us_per_tok']:.2f} us/tok, {row['gw_writes_per_s']:.0f} writes/s)  "
                           f"redis cmd/tok={row['redis_cmd_per_tok']:.3f}  tok/frame={row['tok_per_frame']:.1f}  "
                           f"gap p50/p95/p99={row['gap_p50_ms']:.0f}/{row['gap_p95_ms']:.0f}/{row['gap_p99_ms']:.0f}ms"
                           f"  errors={row['errors']}", flush=True)
@@ -388,7 +392,8 @@ def main() -> None:
         if needs_v1:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(v1_tree)], capture_output=True)
 
-    columns = ["mode", "streams", "step_ms", "tok_per_s", "target_tok_per_s", "gw_cores", "redis_cmd_per_tok",
+    columns = ["mode", "streams", "step_ms", "tok_per_s", "target_tok_per_s", "gw_cores", "gw_us_per_tok",
+               "gw_writes_per_s", "redis_cmd_per_tok",
                "frames_per_s", "tok_per_frame", "gap_p50_ms", "gap_p95_ms", "gap_p99_ms", "errors"]
     if rows:
         print()

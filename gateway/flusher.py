@@ -5,6 +5,12 @@ that dominates gateway CPU. Buffering for `interval` (30-60 ms, below what a rea
 `max_tokens` tokens, whichever first, cuts frames by an order of magnitude. The first token
 skips the buffer so chunking never adds to time-to-first-token. While a client is slow, tokens
 keep merging into the buffer, so a backlog costs memory proportional to text, not to frames.
+
+A sender pass takes along what is nearly due (`due_in_pass`: within a quarter interval), so the
+streams of one socket fall into step: each request keeping its own phase (the time of its first
+flush) made a socket's 8 streams come due at up to 8 moments, each a pass, a socket write and a
+client wake-up. Chunks stay 30-40 ms apart at a 40 ms interval. At 256 streams this cut the
+gateway's write syscalls by 28 % (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ class ChunkBuffer:
         if self._since is None:
             return False
         return now >= self.deadline()
+
+    def due_in_pass(self, now: float) -> bool:
+        """Should a sender pass that runs anyway take this buffer along? Due, or due within a
+        quarter interval (the module docstring)."""
+        return self.due(now + self.interval_s / 4)
 
     def deadline(self) -> float | None:
         """Monotonic time at which the buffer becomes due (None when empty).

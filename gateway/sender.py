@@ -1,10 +1,11 @@
 """The one task that writes to a session's `Writer` (gateway.writer: a WebSocket, or an OpenAI
 HTTP response): control frames, due chunks, `done`, heartbeats, the close.
 
-Each pass sends queued control frames, then every request buffer that is due (the flush policy
-is flusher.py's), then `done` once a finished request's buffer is empty; an idle socket gets a
-`heartbeat`. Chunks are never queued as frames: while the client is slow, tokens merge into
-the buffer, so memory is bounded by output text (max_tokens x requests), not by frame count.
+Each pass sends queued control frames, then every request buffer that is due or nearly (the
+flush policy is flusher.py's), then `done` once a finished request's buffer is empty; an idle
+socket gets a `heartbeat`. Chunks are never queued as frames: while the client is slow, tokens
+merge into the buffer, so memory is bounded by output text (max_tokens x requests), not by
+frame count.
 Control frames are encoded when queued and bounded by count (`send_queue_max`) and bytes
 (`send_queue_max_bytes`); a client that lets them pile up, or that blocks one send for
 `slow_consumer_s`, gets a `slow_consumer` error and close 1013 if it takes them within a
@@ -240,7 +241,7 @@ class Sender:
         return soonest
 
     async def _flush_request(self, req: RequestState, now: float) -> None:
-        if req.buffer.due(now) or (req.final is not None and not req.buffer.empty):
+        if req.buffer.due_in_pass(now) or (req.final is not None and not req.buffer.empty):
             await self._send_chunk(req, req.buffer.take(now))
         if req.final is not None and req.buffer.empty and not req.finished:
             await self.socket.send(self.requests.finish(req))      # no Redis here: bookkeeping is queued

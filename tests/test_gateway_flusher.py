@@ -79,3 +79,54 @@ def test_a_sender_asleep_until_the_interval_ends_is_not_woken_for_the_next_token
     wake.until = -math.inf                      # a sender that runs looks at every buffer anyway
     assert not wake.needed(buf.deadline())
     assert ChunkBuffer(interval_s=0.0, max_tokens=3).look_at(1.0) is None
+
+
+def test_a_pass_takes_nearly_due_buffers_along_so_a_sockets_streams_fall_into_step():
+    """Two streams of one socket, first flushed 8 ms apart, tokens every 5 ms: passes run when a
+    buffer is due (as gateway.sender schedules them). Taking along what is due within a quarter
+    interval puts both on one pass (one socket write) from the second interval on, and no chunk
+    comes sooner than 30 ms or later than the interval after the last."""
+    bufs = [ChunkBuffer(interval_s=0.04, max_tokens=32) for _ in range(2)]
+    sent: list[list[float]] = [[], []]
+    passes = []
+    seq = 0
+    for i, first in enumerate((0.0, 0.008)):
+        bufs[i].add("a", 1, 1, now=first)
+        sent[i].append(first)
+        bufs[i].take(first)
+    for ms in range(1, 1001):                               # a millisecond clock; a token every 5 ms
+        t = ms / 1000
+        if ms % 5 == 0:
+            seq += 1
+            for b in bufs:
+                b.add("x", 1, seq, now=t)
+        if any(b.due(t) for b in bufs):                     # a pass runs: it takes along what is nearly due
+            passes.append(t)
+            for i, b in enumerate(bufs):
+                if b.due_in_pass(t):
+                    sent[i].append(t)
+                    b.take(t)
+    assert sent[0][2:] == sent[1][2:]                       # in step after the first interval
+    assert len(passes) == len(sent[0]) - 1                  # one pass a chunk: both go in it
+    for times in sent:
+        gaps = [b - a for a, b in zip(times[1:], times[2:])]
+        assert all(0.03 - 1e-9 <= g <= 0.041 for g in gaps), gaps    # (+1 ms: the clock's resolution)
+
+
+def test_without_the_pass_slack_the_same_streams_keep_their_own_phase():
+    """The contrast: with `due` alone each stream keeps its phase: two passes an interval."""
+    bufs = [ChunkBuffer(interval_s=0.04, max_tokens=32) for _ in range(2)]
+    for i, first in enumerate((0.0, 0.008)):
+        bufs[i].add("a", 1, 1, now=first)
+        bufs[i].take(first)
+    passes = 0
+    for ms in range(1, 1001):
+        t = ms / 1000
+        if ms % 5 == 0:
+            for b in bufs:
+                b.add("x", 1, 2, now=t)
+        due = [b for b in bufs if b.due(t)]
+        passes += bool(due)
+        for b in due:
+            b.take(t)
+    assert passes >= 45                                     # ~2 a 40 ms interval over 1 s
