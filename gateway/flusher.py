@@ -10,7 +10,7 @@ A sender pass takes along what is nearly due (`due_in_pass`: within a quarter in
 streams of one socket fall into step: each request keeping its own phase (the time of its first
 flush) made a socket's 8 streams come due at up to 8 moments, each a pass, a socket write and a
 client wake-up. Chunks stay 30-40 ms apart at a 40 ms interval. At 256 streams this cut the
-gateway's write syscalls by 28 % (bench/RESULTS.md).
+gateway's write syscalls by ~30 % (bench/RESULTS.md).
 """
 
 from __future__ import annotations
