@@ -5,9 +5,8 @@ Each pass sends queued control frames, then every request buffer that is due or 
 flush policy is flusher.py's), then `done` once a finished request's buffer is empty; an idle
 socket gets a `heartbeat`. Chunks are never queued as frames: while the client is slow, tokens
 merge into the buffer, so memory is bounded by output text (max_tokens x requests), not by
-frame count.
-Control frames are encoded when queued and bounded by count (`send_queue_max`) and bytes
-(`send_queue_max_bytes`); a client that lets them pile up, or that blocks one send for
+frame count. Control frames are encoded when queued and bounded by count (`send_queue_max`)
+and bytes (`send_queue_max_bytes`); a client that lets them pile up, or that blocks one send for
 `slow_consumer_s`, gets a `slow_consumer` error and close 1013 if it takes them within a
 moment, and is aborted (TCP dropped) otherwise.
 
