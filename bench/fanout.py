@@ -9,7 +9,8 @@ Per cell (streams x step_ms x mode) this starts, on its own Redis:
 * one gateway process (`v1`: the baseline commit's gateway, with its per-request-key XREAD);
 * client processes (separate from the gateway), each with many WebSockets, 8 streams a socket.
 
-Reported per cell: gateway CPU (cores = CPU seconds / wall seconds over the run), Redis commands
+Reported per cell: gateway CPU (cores = CPU seconds / wall seconds over the run; µs a delivered
+token), the gateway's write syscalls a second (/proc io: socket sends), Redis commands
 per delivered token (INFO commandstats, every command, before/after), chunk frames/s, tokens per
 frame, the client-observed gap between consecutive chunks of a stream (p50/p95/p99), and the
 achieved token rate. Then, on the tiny model (a real `python -m worker`), the TTFT the hop adds,
