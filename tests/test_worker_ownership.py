@@ -148,7 +148,7 @@ async def intake_of(redis, s: Settings, worker_id: str):
                           on_fenced=table.drop)
     ownership = Ownership(redis, keys, s, worker_id)
     leases = Leases(redis=redis, keys=keys, settings=s, worker_id=worker_id, ownership=ownership, table=table,
-                    engine=engine, stats=stats)
+                    engine=engine, stats=stats, mark_lapsed=writer.mark_lapsed)
     intake = Intake(redis=redis, blocking_redis=redis, keys=keys, settings=s, worker_id=worker_id, table=table,
                     engine=engine, writer=writer, stats=stats, stop=asyncio.Event(), ownership=ownership,
                     leases=leases)
@@ -262,7 +262,7 @@ async def test_a_redis_paused_past_the_lease_cannot_stretch_the_owners_deadline(
     own = Ownership(redis, keys, s, "wa")
     writer = OutputWriter(redis, keys, s, "wa", on_lapsed=lambda st: leases.renew_soon(st))
     leases = Leases(redis=redis, keys=keys, settings=s, worker_id="wa", ownership=own, table=table,
-                    engine=table.engine, stats=stats, writer_stats=writer.stats)
+                    engine=table.engine, stats=stats, mark_lapsed=writer.mark_lapsed)
     try:
         rid = new_rid()
         await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from shared.aio import wait_event
 from shared.config import Settings
@@ -43,7 +43,8 @@ PENDING_PAGE = 1000      # our pending entries read this many per call (pending_
 
 class Leases:
     def __init__(self, *, redis, keys: Keys, settings: Settings, worker_id: str, ownership: Ownership,
-                 table: InFlightTable, engine: EngineClient, stats: Stats, writer_stats: dict | None = None):
+                 table: InFlightTable, engine: EngineClient, stats: Stats,
+                 mark_lapsed: Callable[[list[InFlight], float], None]):
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -52,7 +53,7 @@ class Leases:
         self.table = table
         self.engine = engine
         self.stats = stats
-        self.writer_stats = writer_stats if writer_stats is not None else {"lease_lapses": 0}   # the writer's counts
+        self.mark_lapsed = mark_lapsed   # the output writer's: holds output, counts the lapse once
         self._renew = asyncio.Event()    # a lease passed its deadline: renew now, not at the next interval
         # keep-fresh's XCLAIM (idle time reset) and a hand back's (idle time far past claim_idle_ms)
         # of the same entry must reach Redis in the order their decisions were made: a reset
@@ -94,13 +95,13 @@ class Leases:
             kept.append(st)
             st.lease_refused = verdict.refused
             if verdict.lease_until is not None and verdict.lease_until > st.lease_until:
-                if not st.lease_lapsed and not st.may_write(time.monotonic()):
-                    # its deadline passed and no commit round saw it (the writer's round waited in
-                    # a stalled Redis's socket, holding its lock): a lapse all the same
-                    st.lease_lapsed = True
-                    self.writer_stats["lease_lapses"] += 1
+                now = time.monotonic()
+                if not st.may_write(now):
+                    # its deadline passed, perhaps with no commit round to see it (the writer's round
+                    # waited in a stalled Redis's socket, holding its lock): a lapse all the same
+                    self.mark_lapsed([st], now)
                 st.lease_until = verdict.lease_until
-                if st.lease_lapsed and st.may_write(time.monotonic()):
+                if st.lease_lapsed and st.may_write(now):
                     st.lease_lapsed = False
                     renewed += 1
             if verdict.cancelled and self.table.holds(st) and not st.engine_done:

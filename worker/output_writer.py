@@ -317,9 +317,10 @@ class OutputWriter:
                     extra=rid_of(st.rid))
         self.on_fenced(st)
 
-    def _lapsed(self, held: list[InFlight], now: float) -> None:
+    def mark_lapsed(self, held: list[InFlight], now: float) -> None:
         """Our leases on `held` passed their deadlines unrenewed: hold their output (it stays
-        queued) and have keep-fresh renew the leases now."""
+        queued), each lapse counted once (`lease_lapses`). Keep-fresh calls it too, for a lapse
+        that no commit round saw (worker.leases)."""
         new = [st for st in held if not st.lease_lapsed]
         for st in new:
             st.lease_lapsed = True
@@ -327,6 +328,10 @@ class OutputWriter:
             self.stats["lease_lapses"] += len(new)
             log.warning("%d request(s): our lease passed its deadline unrenewed (up to %.2f s ago: Redis stalled?); "
                         "holding their output until it is renewed", len(new), max(now - st.lease_until for st in new))
+
+    def _lapsed(self, held: list[InFlight], now: float) -> None:
+        """Hold the output of `held` (`mark_lapsed`) and have keep-fresh renew the leases now."""
+        self.mark_lapsed(held, now)
         for st in held:
             self.on_lapsed(st)
 

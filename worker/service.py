@@ -80,7 +80,7 @@ class WorkerService:
         ownership = Ownership(self.redis.main, keys, s, worker_id)
         self.leases = leases = Leases(redis=self.redis.main, keys=keys, settings=s, worker_id=worker_id,
                                       ownership=ownership, table=table, engine=engine, stats=stats,
-                                      writer_stats=writer.stats)
+                                      mark_lapsed=writer.mark_lapsed)
         self.intake = Intake(redis=self.redis.main, blocking_redis=self.redis.intake, keys=keys, settings=s,
                              worker_id=worker_id, table=table, engine=engine, writer=writer, stats=stats,
                              stop=self.stop, ownership=ownership, leases=leases)
