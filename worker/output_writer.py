@@ -158,9 +158,10 @@ class OutputWriter:
         for st in states:
             st.freeze()
         held = [st for st in states if not st.may_write(now) and (st.unsent or st.marker_att is not None)]
-        if held:
-            self._lapsed(held, now)
-        for st in held:     # Redis answered but refused to extend the lease: as good as a refused write
+        self.mark_lapsed(held, now)         # their output is held; keep-fresh renews the leases now
+        for st in held:
+            self.on_lapsed(st)
+            # Redis answered but refused to extend the lease: as good as a refused write
             if st.lease_refused and st.retry_at <= now:
                 self._refused(st, ResponseError("OOM Redis refused to extend this request's lease"), now)
         writing = [(st, list(st.unsent)) for st in states if st.unsent and st.retry_at <= now and st.may_write(now)]
@@ -328,12 +329,6 @@ class OutputWriter:
             self.stats["lease_lapses"] += len(new)
             log.warning("%d request(s): our lease passed its deadline unrenewed (up to %.2f s ago: Redis stalled?); "
                         "holding their output until it is renewed", len(new), max(now - st.lease_until for st in new))
-
-    def _lapsed(self, held: list[InFlight], now: float) -> None:
-        """Hold the output of `held` (`mark_lapsed`) and have keep-fresh renew the leases now."""
-        self.mark_lapsed(held, now)
-        for st in held:
-            self.on_lapsed(st)
 
     def _refused(self, st: InFlight, exc: Exception, now: float) -> None:
         count_error(exc)
